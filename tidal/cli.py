@@ -1,0 +1,39 @@
+"""The `tidal` command: serve, bench (router and cluster arrive with PD disaggregation)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tidal.config import add_server_args
+
+    parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="start an SGLang/OpenAI-compatible server")
+    add_server_args(serve)
+    bench = sub.add_parser("bench", help="benchmark any SGLang/OpenAI-compatible server")
+    from tidal.bench import add_bench_args
+
+    add_bench_args(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        from tidal.config import server_args_from_namespace
+        from tidal.server.launch import launch_server
+
+        return launch_server(server_args_from_namespace(args))
+    if args.command == "bench":
+        from tidal.bench import run_bench
+
+        run_bench(args)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,78 @@
+"""The prefix cache for `--disable-radix-cache`: RadixCache's interface, no sharing.
+
+Every request owns all of its slots; nothing outlives a request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from tidal.kvcache.allocator import PagedTokenAllocator
+from tidal.kvcache.radix_cache import MatchResult, TreeNode, req_pool_idx_of
+from tidal.kvcache.req_to_token_pool import ReqToTokenPool
+
+
+class ChunkCache:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenAllocator, page_size: int):
+        if page_size != allocator.page_size:
+            raise ValueError(f"page_size {page_size} != allocator page_size {allocator.page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = True
+        self.root_node = TreeNode([], self._empty(), None, 0)
+        self.root_node.lock_ref = 1
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        return MatchResult(self._empty(), self.root_node)
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        return 0
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        pass
+
+    def evict(self, num_tokens: int) -> int:
+        return 0
+
+    def evictable_size(self) -> int:
+        return 0
+
+    def protected_size(self) -> int:
+        return 0
+
+    def total_size(self) -> int:
+        return 0
+
+    def all_slots(self) -> torch.Tensor:
+        return self._empty()
+
+    def reset(self) -> bool:
+        return True
+
+    def flush(self) -> bool:
+        return True
+
+    def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:
+        idx = req_pool_idx_of(req)
+        self.allocator.free(self.req_to_token_pool.req_to_token[idx, : len(token_ids)])
+        self.req_to_token_pool.free(idx)
+        req.req_pool_idx = None
+
+    def cache_unfinished_req(self, req: Any, token_ids: list[int]) -> None:
+        idx = req_pool_idx_of(req)
+        req.prefix_indices = self.req_to_token_pool.req_to_token[idx, : len(token_ids)].clone()
+        req.last_node = self.root_node
+
+    def pretty_print(self) -> str:
+        text = "ChunkCache (no sharing)"
+        print(text)
+        return text

@@ -1,0 +1,307 @@
+"""Radix-tree prefix cache over token ids, holding the KV slots of shared prefixes.
+
+Each edge is a run of token ids (`node.key`) with the KV slots of those tokens
+(`node.value`). With page_size > 1 only whole pages are matched or inserted, so
+every node's key length is a multiple of page_size and its slots are whole pages.
+
+Ownership: slots in the tree belong to the tree. A request that matched a prefix
+locks the path (`inc_lock_ref`), which keeps it from eviction; `evictable_size`
+counts tokens of unlocked nodes and `protected_size` of locked ones.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tidal.kvcache.allocator import PagedTokenAllocator
+from tidal.kvcache.req_to_token_pool import ReqToTokenPool
+
+
+class TreeNode:
+    _ids = itertools.count()
+
+    def __init__(self, key: list[int], value: torch.Tensor, parent: TreeNode | None, time: int):
+        self.key = key
+        self.value = value
+        self.parent = parent
+        self.children: dict[Any, TreeNode] = {}
+        self.lock_ref = 0
+        self.last_access_time = time
+        self.id = next(TreeNode._ids)
+
+    def __len__(self) -> int:
+        return len(self.key)
+
+    def __repr__(self) -> str:
+        return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
+
+
+@dataclass
+class MatchResult:
+    device_indices: torch.Tensor  # [matched_len] int64 KV slots of the matched prefix
+    last_node: TreeNode  # deepest matched node; lock it to keep the prefix
+
+
+class RadixCache:
+    def __init__(
+        self,
+        req_to_token_pool: ReqToTokenPool,
+        allocator: PagedTokenAllocator,
+        page_size: int,
+        disable: bool = False,
+    ):
+        if page_size != allocator.page_size:
+            raise ValueError(f"page_size {page_size} != allocator page_size {allocator.page_size}")
+        self.req_to_token_pool = req_to_token_pool
+        self.allocator = allocator
+        self.page_size = page_size
+        self.disable = disable
+        self.device = allocator.device
+        self._clock = itertools.count(1)
+        self._protected = 0
+        self.reset()
+
+    # ---- tree state -------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Drop the tree without freeing its slots (the caller clears the allocator too).
+        Refused (False) while any node is locked."""
+        if self._protected > 0:
+            return False
+        self.root_node = TreeNode([], self._empty(), None, 0)
+        self.root_node.lock_ref = 1  # the root is never evicted
+        self._evictable = 0
+        self._protected = 0
+        return True
+
+    def flush(self) -> bool:
+        """Free every slot of the tree and empty it. Refused (False) while any node is locked."""
+        if self._protected > 0:
+            return False
+        self.allocator.free(self.all_slots())
+        return self.reset()
+
+    def evictable_size(self) -> int:
+        return self._evictable
+
+    def protected_size(self) -> int:
+        return self._protected
+
+    def total_size(self) -> int:
+        """Tokens in the tree, counted by walking it."""
+        return sum(len(n) for n in self._nodes())
+
+    def all_slots(self) -> torch.Tensor:
+        values = [n.value for n in self._nodes()]
+        return torch.cat(values) if values else self._empty()
+
+    def _nodes(self) -> Iterator[TreeNode]:
+        """Every node but the root."""
+        stack = list(self.root_node.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def _empty(self) -> torch.Tensor:
+        return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
+
+    def _child_key(self, key: list[int]) -> Any:
+        return key[0] if self.page_size == 1 else tuple(key[: self.page_size])
+
+    def _aligned(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def _match_len(self, a: list[int], b: list[int]) -> int:
+        n = min(len(a), len(b))
+        i = 0
+        while i < n and a[i] == b[i]:
+            i += 1
+        return self._aligned(i)
+
+    # ---- match / insert ---------------------------------------------------------
+
+    def match_prefix(self, key: list[int]) -> MatchResult:
+        """Longest cached page-aligned prefix of `key`; splits a node the match ends inside."""
+        key = key[: self._aligned(len(key))]
+        if self.disable or not key:
+            return MatchResult(self._empty(), self.root_node)
+        now = next(self._clock)
+        node, values = self.root_node, []
+        node.last_access_time = now
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            if n < len(child.key):
+                node = self._split(child, n)
+                values.append(node.value)
+                break
+            values.append(child.value)
+            node, key = child, key[n:]
+        indices = torch.cat(values) if values else self._empty()
+        return MatchResult(indices, node)
+
+    def _split(self, child: TreeNode, n: int) -> TreeNode:
+        """Cut `child` after its first n tokens; returns the new upper node."""
+        parent = child.parent
+        assert parent is not None and 0 < n < len(child.key)
+        upper = TreeNode(child.key[:n], child.value[:n].clone(), parent, child.last_access_time)
+        upper.lock_ref = child.lock_ref
+        child.key, child.value = child.key[n:], child.value[n:].clone()
+        child.parent = upper
+        upper.children[self._child_key(child.key)] = child
+        parent.children[self._child_key(upper.key)] = upper
+        return upper
+
+    def insert(self, key: list[int], value: torch.Tensor) -> int:
+        """Add the page-aligned part of `key` with its slots `value`. Returns how many
+        leading tokens were already cached: their slots in `value` are duplicates the
+        caller still owns and must free."""
+        n_aligned = self._aligned(len(key))
+        if self.disable or n_aligned == 0:
+            return 0
+        if value.numel() < n_aligned:
+            raise ValueError(f"insert: {value.numel()} slots for {n_aligned} tokens")
+        key, value = key[:n_aligned], value[:n_aligned]
+        now = next(self._clock)
+        node, present = self.root_node, 0
+        while key:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            child.last_access_time = now
+            n = self._match_len(child.key, key)
+            node = self._split(child, n) if n < len(child.key) else child
+            present += n
+            key, value = key[n:], value[n:]
+        if key:
+            leaf = TreeNode(list(key), value.clone(), node, now)
+            node.children[self._child_key(leaf.key)] = leaf
+            self._evictable += len(leaf)
+        return present
+
+    # ---- locking / eviction ------------------------------------------------------
+
+    def inc_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root_node:
+            if node.lock_ref == 0:
+                self._evictable -= len(node)
+                self._protected += len(node)
+            node.lock_ref += 1
+            node = node.parent  # type: ignore[assignment]
+
+    def dec_lock_ref(self, node: TreeNode) -> None:
+        while node is not self.root_node:
+            if node.lock_ref <= 0:
+                raise RuntimeError(f"dec_lock_ref on unlocked {node!r}")
+            if node.lock_ref == 1:
+                self._evictable += len(node)
+                self._protected -= len(node)
+            node.lock_ref -= 1
+            node = node.parent  # type: ignore[assignment]
+
+    def evict(self, num_tokens: int) -> int:
+        """Free at least num_tokens tokens from unlocked leaves, least recently used
+        first (a parent left childless becomes a candidate). Returns tokens freed."""
+        if self.disable or num_tokens <= 0:
+            return 0
+        heap = [(n.last_access_time, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
+        heapq.heapify(heap)
+        freed = 0
+        self.allocator.free_group_begin()
+        try:
+            while heap and freed < num_tokens:
+                _, _, node = heapq.heappop(heap)
+                freed += self._delete_leaf(node)
+                parent = node.parent
+                if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                    heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
+        finally:
+            self.allocator.free_group_end()
+        return freed
+
+    def _delete_leaf(self, node: TreeNode) -> int:
+        self.allocator.free(node.value)
+        del node.parent.children[self._child_key(node.key)]
+        self._evictable -= len(node)
+        return len(node)
+
+    # ---- request hooks -----------------------------------------------------------
+
+    def cache_finished_req(self, req: Any, token_ids: list[int]) -> None:
+        """Give a finished request's KV to the tree and release everything it held."""
+        idx = req_pool_idx_of(req)
+        n = len(token_ids)
+        kv = self.req_to_token_pool.req_to_token[idx, :n].clone()
+        if self.disable:
+            self.allocator.free(kv)
+        else:
+            aligned = self._insert_req(req, token_ids, kv)
+            self.allocator.free(kv[aligned:])  # the unaligned tail page
+        self.req_to_token_pool.free(idx)
+        self.dec_lock_ref(req.last_node)
+        req.req_pool_idx = None
+
+    def cache_unfinished_req(self, req: Any, token_ids: list[int]) -> None:
+        """After a prefill chunk: share its whole pages through the tree and move the
+        request's lock to the new deepest node. The request keeps its row and its tail."""
+        idx = req_pool_idx_of(req)
+        n = len(token_ids)
+        kv = self.req_to_token_pool.req_to_token[idx, :n].clone()
+        if self.disable:
+            req.prefix_indices = kv
+            return
+        aligned = self._insert_req(req, token_ids, kv)
+        match = self.match_prefix(token_ids[:aligned])
+        if match.device_indices.numel() != aligned:
+            raise RuntimeError(f"re-match found {match.device_indices.numel()} of {aligned} inserted tokens")
+        self.req_to_token_pool.req_to_token[idx, :aligned] = match.device_indices
+        self.inc_lock_ref(match.last_node)
+        self.dec_lock_ref(req.last_node)
+        req.prefix_indices = torch.cat([match.device_indices, kv[aligned:]])
+        req.last_node = match.last_node
+
+    def _insert_req(self, req: Any, token_ids: list[int], kv: torch.Tensor) -> int:
+        """Insert the aligned part and free this request's duplicates of what the tree
+        already had. Returns the aligned length."""
+        aligned = self._aligned(len(token_ids))
+        # The tree part of prefix_indices is page-aligned; the rest is the request's own tail.
+        owned_from = self._aligned(len(req.prefix_indices))
+        if owned_from > aligned:
+            raise RuntimeError(f"request has {owned_from} cached tokens but only {len(token_ids)} token ids")
+        present = self.insert(token_ids[:aligned], kv[:aligned])
+        if present < owned_from:
+            raise RuntimeError(f"locked prefix of {owned_from} tokens missing from the tree (found {present})")
+        self.allocator.free(kv[owned_from:present])
+        return aligned
+
+    # ---- debugging ---------------------------------------------------------------
+
+    def pretty_print(self) -> str:
+        lines: list[str] = []
+        stack = [(self.root_node, 0)]
+        while stack:
+            node, depth = stack.pop()
+            head = node.key[:8]
+            more = "..." if len(node.key) > 8 else ""
+            lines.append(f"{'  ' * depth}[{len(node.key)}] {head}{more} lock={node.lock_ref} t={node.last_access_time}")
+            stack.extend((c, depth + 1) for c in node.children.values())
+        lines.append(f"evictable={self._evictable} protected={self._protected}")
+        text = "\n".join(lines)
+        print(text)
+        return text
+
+
+def req_pool_idx_of(req: Any) -> int:
+    if req.req_pool_idx is None:
+        raise RuntimeError("request already released (req_pool_idx is None)")
+    return int(req.req_pool_idx)

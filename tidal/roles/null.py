@@ -1,0 +1,47 @@
+"""NullRole: colocated serving. Prefill first, then decode the running batch."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Optional
+
+from tidal.scheduler.req import Req
+from tidal.scheduler.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from tidal.scheduler.scheduler import Scheduler
+
+
+class NullRole:
+    name = "null"
+
+    def __init__(self, sched: "Scheduler"):
+        self.s = sched
+
+    def accept(self, req: Req) -> None:
+        self.s.waiting_queue.append(req)
+
+    def advance_queues(self) -> None:
+        return None
+
+    def next_batch(self) -> Optional[ScheduleBatch]:
+        planner = self.s.planner
+        batch = planner.new_prefill_batch()
+        return batch if batch is not None else planner.new_decode_batch()
+
+    def process_result(self, batch: ScheduleBatch, result) -> None:
+        self.s.planner.process_result(batch, result)
+
+    def abort(self, rid: str, abort_all: bool) -> None:
+        return None
+
+    def on_dequeued_abort(self, req: Req) -> None:
+        return None
+
+    def extra_live_reqs(self) -> list[Req]:
+        return []
+
+    def num_queued(self) -> int:
+        return 0
+
+    def is_idle(self) -> bool:
+        return True

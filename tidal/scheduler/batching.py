@@ -1,0 +1,202 @@
+"""BatchPlanner: builds prefill and decode batches and applies their results.
+
+Roles compose these steps: null prefills then decodes, prefill (issue 3) only
+prefills, decode only decodes.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from tidal.messages import FinishReason
+from tidal.model.forward_batch import ForwardMode
+from tidal.model.sampler import compute_prompt_logprobs
+from tidal.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy, match_prefix_for
+from tidal.scheduler.req import Req
+from tidal.scheduler.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
+
+if TYPE_CHECKING:
+    from tidal.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+RETRACT_DECODE_STEPS = 20  # decode room a retraction leaves for each remaining request
+
+
+class BatchPlanner:
+    def __init__(self, sched: "Scheduler"):
+        self.s = sched
+        args = sched.args
+        self.policy = SchedulePolicy(args.schedule_policy, sched.mem.tree_cache, args.random_seed)
+        self.chunk_size: Optional[int] = None if args.chunked_prefill_size in (-1, 0) else args.chunked_prefill_size
+        self.chunked_req: Optional[Req] = None
+        self.init_new_token_ratio = min(args.init_new_token_ratio * args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = self.init_new_token_ratio * args.min_new_token_ratio_factor
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / max(
+            args.new_token_ratio_decay_steps, 1
+        )
+        self.new_token_ratio = self.init_new_token_ratio
+
+    # ------------------------------------------------------------------ prefill
+
+    def new_prefill_batch(self) -> Optional[ScheduleBatch]:
+        s = self.s
+        if not s.waiting_queue and self.chunked_req is None:
+            return None
+        running_bs = len(s.running)
+        if running_bs >= s.max_running_requests and self.chunked_req is None:
+            return None
+        self.policy.calc_priority(s.waiting_queue)
+        mem = s.mem
+        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
+        adder = PrefillAdder(
+            mem.tree_cache, mem.allocator, running_and_chunked, self.new_token_ratio,
+            s.args.max_prefill_tokens, self.chunk_size, mem.page_size,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        self._admit_waiting(adder, running_bs)
+        if not adder.can_run_list:
+            return None
+        for r in adder.can_run_list:
+            if not r.first_prefill_done and r.is_chunked == 0:
+                r.cached_tokens = len(r.prefix_indices)
+        admitted = {id(r) for r in adder.can_run_list}
+        s.waiting_queue = [r for r in s.waiting_queue if id(r) not in admitted]
+        self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+        return build_extend_batch(adder.can_run_list, mem, s.runner.kv_pool)
+
+    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
+        s = self.s
+        slots = s.mem.req_to_token_pool.available_size()
+        for req in s.waiting_queue:
+            if adder.new_chunked_req is not None:
+                break
+            n_new = sum(1 for r in adder.can_run_list if r.req_pool_idx is None)
+            if running_bs + len(adder.can_run_list) >= s.max_running_requests or n_new >= slots:
+                break
+            match_prefix_for(req, s.mem.tree_cache)
+            if adder.add_one_req(req) != AddResult.CONTINUE:
+                break
+
+    # ------------------------------------------------------------------ decode
+
+    def new_decode_batch(self) -> Optional[ScheduleBatch]:
+        s = self.s
+        if not s.running:
+            return None
+        mem = s.mem
+        if mem.decode_tokens_needed([r.kv_len for r in s.running]) > mem.available_tokens():
+            self.retract_decode()
+            if not s.running:
+                return None
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        return build_decode_batch(s.running, mem, s.runner.kv_pool)
+
+    def retract_decode(self) -> None:
+        """Free KV by sending the youngest requests back to the waiting queue."""
+        s, mem = self.s, self.s.mem
+        order = sorted(s.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        retracted: list[Req] = []
+
+        def short() -> bool:
+            need = mem.decode_tokens_needed([r.kv_len for r in order]) + RETRACT_DECODE_STEPS * len(order)
+            return need > mem.available_tokens()
+
+        while order and short() and len(order) > 1:
+            req = order.pop()
+            mem.release(req)
+            req.reset_for_retract()
+            retracted.append(req)
+        if order and mem.decode_tokens_needed([r.kv_len for r in order]) > mem.available_tokens():
+            victim = order.pop()
+            victim.finish(FinishReason(type="abort", message="KV cache is too small for this request.", status_code=507))
+            mem.release(victim)
+            s.emit(victim)
+        s.running = [r for r in s.running if r in order]
+        s.waiting_queue = retracted[::-1] + s.waiting_queue
+        s.stats.num_retracted += len(retracted)
+        total_decoded = sum(len(r.output_ids) for r in order)
+        total_max = sum(r.sampling.max_new_tokens for r in order)
+        self.new_token_ratio = min(1.0, (total_decoded + RETRACT_DECODE_STEPS * len(order)) / (total_max + 1))
+        logger.warning("KV cache is full: retracted %d requests, new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+
+    # ------------------------------------------------------------------ results
+
+    def process_result(self, batch: ScheduleBatch, result) -> None:
+        if batch.mode is ForwardMode.EXTEND:
+            self.process_extend_result(batch, result)
+        else:
+            self.process_decode_result(batch, result)
+
+    def process_extend_result(self, batch: ScheduleBatch, result) -> None:
+        s = self.s
+        logits, out = result
+        next_ids = out.next_token_ids.tolist()
+        for i, (req, span) in enumerate(zip(batch.reqs, batch.spans)):
+            if req.wants_input_logprobs and not req.first_prefill_done:
+                self._add_input_logprobs(req, span, logits)
+            if req.kv_len < len(req.all_ids):  # an unfinished chunked prefill
+                s.mem.cache_unfinished(req)
+                if req.to_abort:
+                    self._finish_abort_chunked(req)
+                continue
+            req.is_chunked = 0
+            if not req.first_prefill_done:
+                req.first_prefill_done = True
+                s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
+            self._append_token(req, next_ids[i], out, i)
+            if req.finished:
+                s.mem.release(req)
+            else:
+                s.mem.cache_unfinished(req)
+                s.running.append(req)
+            s.emit(req)
+
+    def _finish_abort_chunked(self, req: Req) -> None:
+        self.chunked_req = None
+        req.is_chunked = 0
+        req.finish(FinishReason(type="abort", message=req.to_abort))
+        self.s.mem.release(req)
+        self.s.emit(req)
+
+    def process_decode_result(self, batch: ScheduleBatch, result) -> None:
+        s = self.s
+        _, out = result
+        next_ids = out.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            self._append_token(req, next_ids[i], out, i)
+            if req.finished:
+                s.mem.release(req)
+            s.emit(req)
+        s.running = [r for r in s.running if not r.finished]
+
+    def _append_token(self, req: Req, token: int, out, row: int) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob and out.next_token_logprobs is not None:
+            req.output_logprobs.append((float(out.next_token_logprobs[row]), token))
+            if req.top_logprobs_num > 0 and out.top_logprobs is not None:
+                req.output_top_logprobs.append(out.top_logprobs[row])
+        self.s.stop.check(req)
+
+    def _add_input_logprobs(self, req: Req, span, logits: torch.Tensor) -> None:
+        prompt = req.origin_input_ids
+        if req.logprob_start_len == 0 and span.first_pos == 0 and not req.input_logprobs:
+            req.input_logprobs.append((None, prompt[0]))
+            req.input_top_logprobs.append(None)
+        # row at position p predicts token p + 1; keep prompt targets only
+        n = min(span.count, len(prompt) - 1 - span.first_pos)
+        if n <= 0:
+            return
+        targets = torch.tensor(prompt[span.first_pos + 1 : span.first_pos + 1 + n], dtype=torch.int64)
+        rows = logits[span.first : span.first + n]
+        values, tops = compute_prompt_logprobs(rows, targets, req.top_logprobs_num)
+        for j, v in enumerate(values):
+            req.input_logprobs.append((v, int(targets[j])))
+            req.input_top_logprobs.append(tops[j] if tops is not None else None)

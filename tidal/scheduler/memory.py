@@ -1,0 +1,90 @@
+"""The scheduler's memory: req slots, KV pages and the prefix cache, allocated together."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from tidal.kvcache import ChunkCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, check_integrity
+from tidal.scheduler.req import Req
+
+
+class KVMemory:
+    """Owns ReqToTokenPool + PagedTokenAllocator + the cache; allocation evicts on demand."""
+
+    def __init__(
+        self,
+        max_total_tokens: int,
+        page_size: int,
+        max_reqs: int,
+        max_context_len: int,
+        disable_radix_cache: bool,
+        device: torch.device | str = "cpu",
+    ):
+        self.page_size = page_size
+        self.max_total_tokens = max_total_tokens
+        # extra rows so a retracted/aborted request's slot never blocks a new one
+        self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
+        self.allocator = PagedTokenAllocator(max_total_tokens, page_size, device)
+        cache_cls = ChunkCache if disable_radix_cache else RadixCache
+        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, page_size)
+
+    @property
+    def req_to_token(self) -> torch.Tensor:
+        return self.req_to_token_pool.req_to_token
+
+    def available_tokens(self) -> int:
+        """Tokens allocatable now, counting what eviction could free."""
+        return self.allocator.available_size() + self.tree_cache.evictable_size()
+
+    def used_tokens(self) -> int:
+        return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
+
+    def _ensure(self, num_tokens: int) -> None:
+        short = num_tokens - self.allocator.available_size()
+        if short > 0:
+            self.tree_cache.evict(short)
+
+    def alloc_req_slot(self, req: Req) -> None:
+        if req.req_pool_idx is None:
+            idx = self.req_to_token_pool.alloc()
+            if idx is None:
+                raise RuntimeError("req_to_token pool exhausted; admission should have prevented this")
+            req.req_pool_idx = idx
+
+    def alloc_extend(self, prefix_lens: list[int], seq_lens: list[int], last_locs: list[int]) -> torch.Tensor:
+        need = sum(s - p for p, s in zip(prefix_lens, seq_lens)) + len(seq_lens) * self.page_size
+        self._ensure(need)
+        out = self.allocator.alloc_extend(prefix_lens, seq_lens, last_locs)
+        if out is None:
+            raise RuntimeError(f"KV pool out of memory for a prefill of {need} tokens")
+        return out
+
+    def alloc_decode(self, seq_lens: list[int], last_locs: list[int]) -> Optional[torch.Tensor]:
+        self._ensure(len(seq_lens) * self.page_size)
+        return self.allocator.alloc_decode(seq_lens, last_locs)
+
+    def decode_tokens_needed(self, kv_lens: list[int]) -> int:
+        """KV tokens one decode step of these requests may take (whole new pages)."""
+        if self.page_size == 1:
+            return len(kv_lens)
+        return sum(self.page_size for n in kv_lens if n % self.page_size == 0)
+
+    def release(self, req: Req) -> None:
+        """Give the request's KV to the cache (its prefix stays shareable) and free its slot."""
+        if req.req_pool_idx is None:
+            return
+        token_ids = req.all_ids[: req.kv_len]
+        self.tree_cache.cache_finished_req(req, token_ids)
+        req.req_pool_idx = None
+
+    def cache_unfinished(self, req: Req) -> None:
+        self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+
+    def check_integrity(self, live: list[Req]) -> None:
+        pairs = [(r.req_pool_idx, r.kv_len) for r in live if r.req_pool_idx is not None]
+        check_integrity(self.req_to_token_pool, self.allocator, self.tree_cache, pairs)
+
+    def flush(self) -> bool:
+        return bool(self.tree_cache.flush())

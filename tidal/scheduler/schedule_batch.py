@@ -1,0 +1,130 @@
+"""ScheduleBatch: the requests of one forward pass, and their KV allocation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from tidal.model.forward_batch import ForwardBatch, ForwardMode
+from tidal.scheduler.memory import KVMemory
+from tidal.scheduler.req import Req
+
+
+@dataclass
+class RowSpan:
+    """Rows of the logits tensor that belong to one request; the last one is sampled."""
+
+    first: int
+    count: int
+    first_pos: int  # sequence position of the first row
+
+    @property
+    def last(self) -> int:
+        return self.first + self.count - 1
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: list[Req]
+    mode: ForwardMode
+    spans: list[RowSpan] = field(default_factory=list)
+    forward_batch: Optional[ForwardBatch] = None
+    logit_rows: Optional[torch.Tensor] = None
+
+    def __len__(self) -> int:
+        return len(self.reqs)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+
+def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch:
+    """Allocate KV for each request's new tokens and lay out the flat batch."""
+    for r in reqs:
+        mem.alloc_req_slot(r)
+    table = mem.req_to_token
+    prefix_lens = [len(r.prefix_indices) for r in reqs]
+    seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, reqs)]
+    for r, p in zip(reqs, prefix_lens):
+        if p:
+            table[r.req_pool_idx, :p] = r.prefix_indices
+    last_locs = [int(table[r.req_pool_idx, p - 1]) if p else -1 for r, p in zip(reqs, prefix_lens)]
+    out_loc = mem.alloc_extend(prefix_lens, seq_lens, last_locs)
+
+    input_ids: list[int] = []
+    positions: list[torch.Tensor] = []
+    rows: list[torch.Tensor] = []
+    spans: list[RowSpan] = []
+    offset = 0
+    for r, p, s in zip(reqs, prefix_lens, seq_lens):
+        n = s - p
+        table[r.req_pool_idx, p:s] = out_loc[offset : offset + n]
+        r.kv_len = s
+        input_ids += r.fill_ids[p:s]
+        positions.append(torch.arange(p, s, dtype=torch.int64))
+        first_pos = _first_logit_pos(r, p, s)
+        spans.append(RowSpan(first=sum(sp.count for sp in spans), count=s - first_pos, first_pos=first_pos))
+        rows.append(torch.arange(offset + first_pos - p, offset + n, dtype=torch.int64))
+        offset += n
+
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.cat(positions),
+        out_cache_loc=out_loc,
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
+        extend_seq_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
+        req_to_token=table,
+        kv_pool=kv_pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=prefix_lens,
+        extend_seq_lens_cpu=[s - p for p, s in zip(prefix_lens, seq_lens)],
+    )
+    return ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.cat(rows))
+
+
+def _first_logit_pos(r: Req, prefix_len: int, seq_len: int) -> int:
+    """First position whose logits are needed: the last one, or earlier for prompt logprobs."""
+    if r.wants_input_logprobs and not r.first_prefill_done:
+        want = max(r.logprob_start_len - 1, 0)
+        return min(max(want, prefix_len), seq_len - 1)
+    return seq_len - 1
+
+
+def build_decode_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch:
+    """One new token per request; the caller has checked memory (or retracted)."""
+    table = mem.req_to_token
+    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    kv_lens = [r.kv_len for r in reqs]
+    kv = torch.tensor(kv_lens, dtype=torch.int64)
+    last_locs = table[idx, kv - 1]
+    seq_lens = [n + 1 for n in kv_lens]
+    out_loc = mem.alloc_decode(seq_lens, last_locs.tolist())
+    if out_loc is None:
+        raise RuntimeError("KV pool out of memory in decode; the memory check should have retracted")
+    table[idx, kv] = out_loc
+    for r in reqs:
+        r.kv_len += 1
+    b = len(reqs)
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE,
+        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+        positions=kv,
+        out_cache_loc=out_loc,
+        req_pool_indices=idx,
+        seq_lens=kv + 1,
+        extend_prefix_lens=kv,
+        extend_seq_lens=torch.ones(b, dtype=torch.int64),
+        req_to_token=table,
+        kv_pool=kv_pool,
+        seq_lens_cpu=seq_lens,
+        extend_prefix_lens_cpu=kv_lens,
+        extend_seq_lens_cpu=[1] * b,
+    )
+    spans = [RowSpan(first=i, count=1, first_pos=n) for i, n in enumerate(kv_lens)]
+    return ScheduleBatch(reqs, ForwardMode.DECODE, spans, fb, torch.arange(b, dtype=torch.int64))
