@@ -21,12 +21,13 @@ class KVMemory:
         max_context_len: int,
         disable_radix_cache: bool,
         device: torch.device | str = "cpu",
+        debug: bool = False,
     ):
         self.page_size = page_size
         self.max_total_tokens = max_total_tokens
         # extra rows so a retracted/aborted request's slot never blocks a new one
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
-        self.allocator = PagedTokenAllocator(max_total_tokens, page_size, device)
+        self.allocator = PagedTokenAllocator(max_total_tokens, page_size, device, debug=debug)
         cache_cls = ChunkCache if disable_radix_cache else RadixCache
         self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, page_size)
 

@@ -48,6 +48,7 @@ class Scheduler:
             max_context_len=self.context_length + args.page_size + 8,
             disable_radix_cache=args.disable_radix_cache,
             device=runner.device,
+            debug=args.enable_integrity_check,
         )
         self.max_req_input_len = min(self.context_length - 1, runner.max_total_tokens - 1)
         self.stop = StopChecker(tokenizer, list(cfg.eos_token_ids), self.context_length)

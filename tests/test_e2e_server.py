@@ -1,0 +1,188 @@
+"""End-to-end: the real server on the default model, called over HTTP as a user would."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.timeout(600)
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village,",
+    "List three colors:",
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "tidal.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--max-total-tokens", "8192", "--dtype", "float32", *extra]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True)
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("server did not become ready")
+
+    def stop(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--chunked-prefill-size", "64", "--enable-integrity-check")
+    yield s
+    s.stop()
+
+
+def generate(server, text, n=16, **kw):
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, **kw.pop("sp", {})}, **kw}
+    r = httpx.post(server.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_generate_greedy_is_deterministic_and_has_meta(server):
+    a = generate(server, PROMPTS[0])
+    b = generate(server, PROMPTS[0])
+    assert a["text"] == b["text"] and a["output_ids"] == b["output_ids"]
+    meta = a["meta_info"]
+    assert meta["completion_tokens"] == len(a["output_ids"]) <= 16
+    assert meta["prompt_tokens"] > 0
+    assert meta["finish_reason"]["type"] in ("length", "stop")
+    assert b["meta_info"]["cached_tokens"] > 0  # the same prompt again hits the radix cache
+
+
+def test_concurrent_requests_batch_and_match_sequential(server):
+    sequential = [generate(server, p, 24, sp={"ignore_eos": True})["output_ids"] for p in PROMPTS]
+    with cf.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        futs = [pool.submit(generate, server, p, 24, sp={"ignore_eos": True}) for p in PROMPTS]
+        concurrent = [f.result()["output_ids"] for f in futs]
+    assert concurrent == sequential
+    metrics = httpx.get(server.url + "/metrics", timeout=10).text
+    line = next(ln for ln in metrics.splitlines() if ln.startswith("tidal:max_decode_batch_size"))
+    assert float(line.split()[-1]) > 1
+
+
+def test_stream_generate_concatenates_to_final(server):
+    body = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 20, "temperature": 0.0}, "stream": True}
+    texts = []
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                texts.append(json.loads(line[6:])["text"])
+    final = generate(server, PROMPTS[2], 20)["text"]
+    assert len(texts) > 1 and texts[-1] == final
+
+
+def test_openai_client_chat_streaming(server):
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+    msgs = [{"role": "user", "content": "What is 2 + 2?"}]
+    full = client.chat.completions.create(model="default", messages=msgs, max_tokens=16, temperature=0)
+    stream = client.chat.completions.create(
+        model="default", messages=msgs, max_tokens=16, temperature=0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].delta.content:
+            parts.append(chunk.choices[0].delta.content)
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(parts) == full.choices[0].message.content
+    assert usage is not None and usage.completion_tokens == full.usage.completion_tokens
+    comp = client.completions.create(model="default", prompt=PROMPTS[0], max_tokens=8, temperature=0)
+    assert comp.choices[0].text == generate(server, PROMPTS[0], 8)["text"]
+
+
+def test_abort_running_request(server):
+    body = {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "rid": "to-abort",
+            "stream": True}
+    got = 0
+    with httpx.stream("POST", server.url + "/generate", json=body, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got += 1
+                if got == 3:
+                    httpx.post(server.url + "/abort_request", json={"rid": "to-abort"}, timeout=10)
+                last = json.loads(line[6:])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert len(last["output_ids"]) < 2000
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"text": "hi", "sampling_params": {"max_new_tokens": -1}},
+        {"text": "hi", "sampling_params": {"top_p": 1.5}},
+        {"text": "hi", "sampling_params": {"temperature": "hot"}},
+        {"text": "x " * 9000},
+        {"input_ids": []},
+    ],
+)
+def test_bad_input_gets_400_json(server, body):
+    r = httpx.post(server.url + "/generate", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"]
+
+
+def test_malformed_json_gets_400(server):
+    r = httpx.post(server.url + "/generate", content=b"{not json", headers={"content-type": "application/json"})
+    assert r.status_code == 400
+    assert generate(server, "Still alive?", 2)["meta_info"]["completion_tokens"] >= 1
+
+
+def test_info_routes(server):
+    for route in ("/server_info", "/get_server_info", "/model_info", "/get_model_info", "/get_load", "/v1/models"):
+        assert httpx.get(server.url + route, timeout=10).status_code == 200, route
+    assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
+    assert httpx.post(server.url + "/flush_cache", timeout=30).status_code == 200
+
+
+def test_sigterm_leaves_no_orphans():
+    s = Server("--max-running-requests", "4")
+    children = subprocess.run(["pgrep", "-P", str(s.proc.pid)], capture_output=True, text=True).stdout.split()
+    assert children
+    s.stop()
+    time.sleep(1)
+    for pid in children:
+        assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()

@@ -1,0 +1,298 @@
+"""The FastAPI app: SGLang native routes, OpenAI routes, admin routes, errors, auth.
+
+TCP_NODELAY: not set here because asyncio already sets it on every accepted TCP
+socket: asyncio/selector_events.py, `_SelectorSocketTransport.__init__` calls
+`base_events._set_nodelay(sock)` for AF_INET/AF_INET6 stream sockets with proto
+IPPROTO_TCP (uvloop's TCPTransport does the same). Checked with uvicorn 0.54 + h11 on
+Python 3.11: inside a request the accepted socket had proto=6 and TCP_NODELAY=1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hmac
+import json
+import logging
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+import msgspec
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.responses import Response
+
+import tidal
+from tidal.config import ServerArgs
+from tidal.server import openai_api
+from tidal.server.metrics import CONTENT_TYPE, Metrics
+from tidal.server.protocol import (
+    SSE_DONE, AbortRequest, ApiError, GenerateRequest, JSONResp, error_body, error_response, event_stream,
+    parse_body, run_until_done, sampling_from_dict, sse,
+)
+from tidal.server.tokenizer_manager import ReqState, TokenizerManager
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+STATS_TIMEOUT_S = 2.0
+AUTH_EXEMPT = ("/health", "/health_generate", "/metrics")
+
+
+@dataclasses.dataclass
+class ServerContext:
+    args: ServerArgs
+    tm: TokenizerManager
+    metrics: Metrics
+    started_at: float = dataclasses.field(default_factory=time.time)
+
+
+def _ctx(request: Request) -> ServerContext:
+    return request.app.state.ctx
+
+
+class ApiKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on every route but the health and metrics ones."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT or scope["method"] == "OPTIONS":
+            return await self.app(scope, receive, send)
+        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
+        if hmac.compare_digest(auth, self.expected):
+            return await self.app(scope, receive, send)
+        resp = JSONResp(error_body("Invalid or missing API key", 401), status_code=401,
+                        headers={"WWW-Authenticate": "Bearer"})
+        await resp(scope, receive, send)
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_req: Request, e: ApiError) -> Response:
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_req: Request, e: RequestValidationError) -> Response:
+        return error_response(ApiError(f"invalid request: {e.errors()}"))
+
+    @app.exception_handler(json.JSONDecodeError)
+    async def _bad_json(_req: Request, e: json.JSONDecodeError) -> Response:
+        return error_response(ApiError(f"malformed JSON: {e}"))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_req: Request, e: StarletteHTTPException) -> Response:
+        return JSONResp(error_body(str(e.detail), e.status_code), status_code=e.status_code)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, e: Exception) -> Response:
+        logger.exception("internal error")
+        return JSONResp(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
+
+
+def create_app(ctx: ServerContext) -> FastAPI:
+    app = FastAPI(title="tidal", version=tidal.__version__)
+    app.state.ctx = ctx
+    _install_error_handlers(app)
+    if ctx.args.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    _add_native_routes(app)
+    _add_info_routes(app)
+    _add_admin_routes(app)
+    return app
+
+
+# ---------------------------------------------------------------- /generate
+
+
+def _pick(value: Any, i: int, name: str, count: int) -> Any:
+    if not isinstance(value, list):
+        return value
+    if len(value) != count:
+        raise ApiError(f"{name} has {len(value)} entries for {count} prompts")
+    return value[i]
+
+
+def _generate_prompts(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+    if (body.text is None) == (body.input_ids is None):
+        raise ApiError("Either text or input_ids should be provided (exactly one of them).")
+    if body.text is not None:
+        texts = body.text if isinstance(body.text, list) else [body.text]
+        ids, batched = [tm.tokenize(t) for t in texts], isinstance(body.text, list)
+    else:
+        batched = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        ids = [list(x) for x in body.input_ids] if batched else [list(body.input_ids)]
+    if not ids:
+        raise ApiError("The batch is empty.")
+    return ids, batched
+
+
+def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, bool, Optional[str]]:
+    prompts, batched = _generate_prompts(tm, body)
+    count = len(prompts)
+    group = body.rid if isinstance(body.rid, str) else None
+    reqs = []
+    for i, ids in enumerate(prompts):
+        sp = _pick(body.sampling_params, i, "sampling_params", count)
+        if sp is not None and not isinstance(sp, dict):
+            raise ApiError("sampling_params must be an object")
+        params, max_set, n = sampling_from_dict(sp)
+        batched = batched or n > 1
+        if isinstance(body.rid, list):
+            rid = _pick(body.rid, i, "rid", count)
+        else:
+            rid = f"{group}-{i}" if group and count > 1 else group
+        rid = rid or uuid.uuid4().hex
+        for j in range(n):
+            p = msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + j)
+            reqs.append(tm.make_req(
+                ids, p, max_set=max_set, rid=rid if n == 1 else f"{rid}-{j}", stream=body.stream,
+                return_logprob=bool(_pick(body.return_logprob, i, "return_logprob", count)),
+                logprob_start_len=_pick(body.logprob_start_len, i, "logprob_start_len", count),
+                top_logprobs_num=_pick(body.top_logprobs_num, i, "top_logprobs_num", count)))
+    return reqs, batched, group
+
+
+def generate_output(s: ReqState) -> dict:
+    return {"text": s.text, "output_ids": list(s.output_ids), "meta_info": s.meta_info()}
+
+
+async def _stream_generate(tm: TokenizerManager, states: list[ReqState], batched: bool) -> AsyncIterator[bytes]:
+    try:
+        async for changed in tm.updates(states):
+            for s in changed:
+                out = generate_output(s)
+                if batched:
+                    out["index"] = states.index(s)
+                yield sse(out)
+        yield SSE_DONE
+    except ApiError as e:
+        yield sse(e.body())
+        yield SSE_DONE
+    finally:
+        tm.abort_states(states)
+
+
+def _add_native_routes(app: FastAPI) -> None:
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        tm = _ctx(request).tm
+        body = parse_body(GenerateRequest, await request.body())
+        reqs, batched, group = _generate_reqs(tm, body)
+        states = tm.submit(reqs, group=group, text_in_logprobs=body.return_text_in_logprobs)
+        if body.stream:
+            return event_stream(_stream_generate(tm, states, batched))
+        if not await run_until_done(request, tm, states):
+            return Response(status_code=499)
+        outs = [generate_output(s) for s in states]
+        return JSONResp(outs if batched else outs[0])
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        ctx = _ctx(request)
+        return await openai_api.create_completion(request, ctx.tm, ctx.args.model_name)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        ctx = _ctx(request)
+        return await openai_api.create_chat_completion(request, ctx.tm, ctx.args.model_name)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        ctx = _ctx(request)
+        ready = ctx.tm.ready
+        card = {"id": ctx.args.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "tidal",
+                "root": ctx.args.model_path, "max_model_len": ready.context_length if ready else None}
+        return JSONResp({"object": "list", "data": [card]})
+
+
+# ---------------------------------------------------------------- info
+
+
+async def _try_stats(tm: TokenizerManager) -> Optional[Any]:
+    try:
+        return await tm.get_stats(timeout=STATS_TIMEOUT_S)
+    except ApiError:
+        return None
+
+
+def _struct_dict(obj: Any) -> Optional[dict]:
+    if obj is None:
+        return None
+    d = msgspec.to_builtins(obj)
+    d.pop("type", None)
+    return d
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    async def server_info(request: Request) -> Response:
+        ctx = _ctx(request)
+        info = dataclasses.asdict(ctx.args)
+        info["api_key"] = "<set>" if ctx.args.api_key else None
+        stats = await _try_stats(ctx.tm) if ctx.tm.alive else None
+        info.update({
+            "version": tidal.__version__, "disaggregation_mode": "null", "epoch": 0,
+            "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
+            "internal_states": [_struct_dict(stats)] if stats is not None else [],
+        })
+        return JSONResp(info)
+
+    async def model_info(request: Request) -> Response:
+        args = _ctx(request).args
+        return JSONResp({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                         "is_generation": True, "served_model_name": args.model_name})
+
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, model_info, methods=["GET"])
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        tm = _ctx(request).tm
+        if tm.alive:
+            return Response(status_code=200)
+        return JSONResp(error_body(f"scheduler unavailable: {tm.dead_reason or 'starting'}", 503), status_code=503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        tm = _ctx(request).tm
+        if tm.alive and await tm.health_generate(HEALTH_GENERATE_TIMEOUT_S):
+            return Response(status_code=200)
+        return JSONResp(error_body("health generation failed", 503), status_code=503)
+
+
+# ---------------------------------------------------------------- admin
+
+
+def _add_admin_routes(app: FastAPI) -> None:
+    @app.get("/get_load")
+    async def get_load(request: Request) -> Response:
+        st = await _ctx(request).tm.get_stats()
+        return JSONResp([{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
+                          "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens}])
+
+    async def flush_cache(request: Request) -> Response:
+        resp = await _ctx(request).tm.flush_cache()
+        return JSONResp({"success": resp.success, "message": resp.message or ("Cache flushed." if resp.success else "")},
+                        status_code=200 if resp.success else 400)
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        body = parse_body(AbortRequest, await request.body())
+        if not body.rid and not body.abort_all:
+            raise ApiError("rid or abort_all is required")
+        n = _ctx(request).tm.abort_request(body.rid, body.abort_all)
+        return JSONResp({"success": True, "num_aborted": n})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        ctx = _ctx(request)
+        if ctx.tm.alive:
+            ctx.metrics.set_stats(await _try_stats(ctx.tm))
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)

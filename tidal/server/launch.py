@@ -1,0 +1,252 @@
+"""Start one tidal server: the scheduler process, the ZMQ link, and uvicorn.
+
+The API process binds both sockets (`ipc://` paths in a private temp dir), spawns the
+scheduler, waits for SchedulerReady, then serves HTTP. Shutdown (SIGINT/SIGTERM, or
+the scheduler dying) always ends with the child terminated and the temp dir removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import multiprocessing
+import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Union
+
+import uvicorn
+import zmq
+import zmq.asyncio
+
+from tidal.config import ServerArgs
+from tidal.messages import SchedulerError, SchedulerReady, decode_to_api
+from tidal.server.app import ServerContext, create_app
+from tidal.server.metrics import Metrics
+from tidal.server.tokenizer_manager import TokenizerManager, load_server_tokenizer
+
+logger = logging.getLogger(__name__)
+
+START_TIMEOUT_S = float(os.environ.get("TIDAL_SCHEDULER_START_TIMEOUT", "900"))
+CHILD_STOP_TIMEOUT_S = 5.0
+GRACEFUL_SHUTDOWN_S = 5.0
+DEATH_EXIT_DELAY_S = 1.0  # lets the 503 answers reach the clients before uvicorn stops
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal capture (it re-raises the signal after shutdown,
+    which would kill this process before the scheduler is stopped)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):  # type: ignore[override]
+        yield
+
+
+@dataclass
+class _Control:
+    signum: Optional[int] = None
+    server: Optional[_Server] = None
+    scheduler_died: bool = False
+
+    def on_signal(self, signum: int, _frame: Any) -> None:
+        if self.signum is not None and self.server is not None:
+            self.server.force_exit = True  # second signal: stop waiting for connections
+        self.signum = signum
+        if self.server is not None:
+            self.server.should_exit = True
+
+
+def _default_target() -> Callable:
+    from tidal.scheduler.process import run_scheduler_process
+
+    return run_scheduler_process
+
+
+def launch_server(args: ServerArgs, scheduler_target: Optional[Callable] = None) -> int:
+    """Run a server until SIGINT/SIGTERM or the scheduler's death; returns the exit status."""
+    target = scheduler_target or _default_target()
+    port_error = _port_unavailable(args.host, args.port)
+    if port_error:  # before the scheduler spends minutes loading a model
+        print(f"tidal: cannot listen on {args.host}:{args.port}: {port_error}", file=sys.stderr, flush=True)
+        return 1
+    control = _Control()
+    old = {s: signal.signal(s, control.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    tmpdir = tempfile.mkdtemp(prefix="tidal-")
+    proc: list = []
+    try:
+        return asyncio.run(_main(args, target, control, tmpdir, proc))
+    except SystemExit as e:  # uvicorn exits this way when it cannot bind
+        return e.code if isinstance(e.code, int) and e.code else 1
+    finally:
+        if proc:
+            _stop_child(proc[0])
+        shutil.rmtree(tmpdir, ignore_errors=True)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _port_unavailable(host: str, port: int) -> Optional[str]:
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            sock.bind(infos[0][4])
+    except OSError as e:
+        return str(e)
+    return None
+
+
+def _start_child(target: Callable, args: ServerArgs, to_addr: str, from_addr: str) -> multiprocessing.Process:
+    proc = multiprocessing.get_context("spawn").Process(
+        target=target, args=(args, to_addr, from_addr), name="tidal-scheduler")
+    # The child inherits an ignored SIGINT (and Python keeps it ignored), so a terminal
+    # Ctrl-C reaches only this process, which then stops the child in order.
+    prev = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        proc.start()
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    logger.info("scheduler process started (pid %d)", proc.pid)
+    return proc
+
+
+def _stop_child(proc: multiprocessing.Process) -> None:
+    t0 = time.monotonic()
+    if proc.is_alive():
+        proc.terminate()
+        proc.join(CHILD_STOP_TIMEOUT_S)
+    if proc.is_alive():
+        logger.warning("scheduler (pid %d) ignored SIGTERM; killing it", proc.pid)
+        proc.kill()
+        proc.join(CHILD_STOP_TIMEOUT_S)
+    else:
+        proc.join(0)
+    logger.info("scheduler process stopped (exit code %s) in %.2fs", proc.exitcode, time.monotonic() - t0)
+
+
+async def _main(args: ServerArgs, target: Callable, control: _Control, tmpdir: str, proc: list) -> int:
+    to_addr, from_addr = f"ipc://{tmpdir}/to_scheduler", f"ipc://{tmpdir}/from_scheduler"
+    sctx, actx = zmq.Context(), zmq.asyncio.Context()
+    push = sctx.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 0)
+    pull = actx.socket(zmq.PULL)
+    pull.setsockopt(zmq.RCVHWM, 0)
+    tm: Optional[TokenizerManager] = None
+    try:
+        push.bind(to_addr)
+        pull.bind(from_addr)
+        proc.append(_start_child(target, args, to_addr, from_addr))
+        tok_task = _load_tokenizer_in_thread(args)
+        ready = await _wait_ready(pull, proc[0], control, tok_task)
+        if isinstance(ready, str):
+            print(f"tidal: scheduler failed to start: {ready}", file=sys.stderr, flush=True)
+            logger.error("scheduler failed to start: %s", ready)
+            return 0 if control.signum is not None else 1
+        metrics = Metrics(args.model_name)
+        tm = TokenizerManager(args, tokenizer=tok_task.result(), metrics=metrics)
+        tm.start(push, pull, ready)
+        return await _serve(args, ServerContext(args, tm, metrics), proc[0], control)
+    finally:
+        if tm is not None:
+            await tm.stop()
+        push.close(linger=0)
+        pull.close(linger=0)
+        sctx.term()
+        actx.term()
+
+
+def _load_tokenizer_in_thread(args: ServerArgs) -> asyncio.Future:
+    """Load the tokenizer while the scheduler loads the model. A daemon thread, not an
+    executor: a failed start must not wait at exit for a load nobody needs."""
+    loop = asyncio.get_running_loop()
+    fut = loop.create_future()
+
+    def done(result: Any, exc: Optional[BaseException]) -> None:
+        if not fut.done():
+            fut.set_exception(exc) if exc is not None else fut.set_result(result)
+
+    def work() -> None:
+        try:
+            result: tuple = (load_server_tokenizer(args), None)
+        except BaseException as e:  # noqa: BLE001 - reported through the future
+            result = (None, e)
+        with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
+            loop.call_soon_threadsafe(done, *result)
+
+    threading.Thread(target=work, name="tidal-tokenizer-load", daemon=True).start()
+    return fut
+
+
+async def _wait_ready(pull: Any, proc: multiprocessing.Process, control: _Control,
+                      tok_task: asyncio.Future) -> Union[SchedulerReady, str]:
+    """SchedulerReady (with the tokenizer loaded), or why not."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    ready: Optional[SchedulerReady] = None
+    while ready is None or not tok_task.done():
+        if control.signum is not None:
+            return f"interrupted by signal {control.signum}"
+        if tok_task.done() and tok_task.exception() is not None:
+            return f"cannot load the tokenizer: {tok_task.exception()!r}"
+        if ready is None and not proc.is_alive():
+            return f"the scheduler process exited with code {proc.exitcode} before it was ready"
+        if time.monotonic() > deadline:
+            return f"no SchedulerReady within {START_TIMEOUT_S:.0f}s"
+        if ready is None and await pull.poll(100):
+            msg = decode_to_api(await pull.recv())
+            if isinstance(msg, SchedulerError):
+                return msg.message
+            if isinstance(msg, SchedulerReady):
+                ready = msg
+                logger.info("scheduler ready: %s", msg)
+        elif ready is not None:
+            await asyncio.sleep(0.05)
+    if tok_task.exception() is not None:
+        return f"cannot load the tokenizer: {tok_task.exception()!r}"
+    return ready
+
+
+async def _serve(args: ServerArgs, ctx: ServerContext, proc: multiprocessing.Process, control: _Control) -> int:
+    config = uvicorn.Config(
+        create_app(ctx), host=args.host, port=args.port, log_level=args.log_level.lower(),
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False)
+    server = _Server(config)
+    control.server = server
+    if control.signum is not None:
+        return 0
+    tasks = [asyncio.ensure_future(_watch_scheduler(proc, ctx.tm, server, control)),
+             asyncio.ensure_future(_announce(server, args))]
+    try:
+        await server.serve()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    return 1 if control.scheduler_died else 0
+
+
+async def _announce(server: _Server, args: ServerArgs) -> None:
+    while not server.started:
+        await asyncio.sleep(0.05)
+    logger.info("tidal server ready at http://%s:%d", args.host, args.port)
+
+
+async def _watch_scheduler(proc: multiprocessing.Process, tm: TokenizerManager, server: _Server,
+                           control: _Control) -> None:
+    """If the scheduler dies (or reports an error) while serving: fail requests, exit non-zero."""
+    while not server.should_exit:
+        if not proc.is_alive():
+            tm.mark_dead(f"scheduler process exited with code {proc.exitcode}")
+        if tm.dead_reason is not None:
+            control.scheduler_died = control.signum is None
+            logger.error("scheduler is gone (%s); shutting down", tm.dead_reason)
+            await asyncio.sleep(DEATH_EXIT_DELAY_S)
+            server.should_exit = True
+            return
+        await asyncio.sleep(0.1)

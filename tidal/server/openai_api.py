@@ -1,0 +1,273 @@
+"""OpenAI-compatible /v1/completions and /v1/chat/completions on top of the TokenizerManager."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence, Union
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response
+
+from tidal.server.protocol import (
+    SSE_DONE, ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, JSONResp, event_stream,
+    openai_sampling_dict, parse_body, run_until_done, sampling_from_dict, sse,
+)
+from tidal.server.tokenizer_manager import ReqState, TokenizerManager
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass
+class _Call:
+    """One OpenAI call: its states (prompt-major, n per prompt) and what the reply needs."""
+
+    kind: str  # "text_completion" | "chat.completion"
+    id: str
+    model: str
+    n: int
+    states: list[ReqState]
+    created: int = field(default_factory=lambda: int(time.time()))
+    echo: list[str] = field(default_factory=list)  # completions echo=True: prompt text per prompt
+    logprobs: bool = False
+    include_usage: bool = False
+
+    def index(self, s: ReqState) -> int:
+        return self.states.index(s)
+
+    def usage(self) -> dict:
+        prompt = sum(s.num_prompt_tokens() for s in self.states[:: self.n])
+        completion = sum(s.num_completion_tokens() for s in self.states)
+        cached = sum(s.cached_tokens for s in self.states[:: self.n])
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def chunk(self, choices: list[dict], usage: Optional[dict] = None) -> dict:
+        obj = {"id": self.id, "object": f"{self.kind}.chunk" if self.kind == "chat.completion" else self.kind,
+               "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None:
+            obj["usage"] = usage
+        return obj
+
+
+def _finish(s: ReqState) -> tuple[Optional[str], Union[int, str, None]]:
+    fr = s.finish_reason
+    if fr is None:
+        return None, None
+    return (fr.type if fr.type in ("stop", "length") else "abort"), fr.matched
+
+
+def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, max_tokens: Optional[int],
+                logprobs: bool, top_logprobs: int, prompt_logprobs: bool) -> list:
+    if body.n < 1:
+        raise ApiError(f"n must be >= 1, got {body.n}")
+    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
+        raise ApiError(f"logprobs / top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    params, max_set, _ = sampling_from_dict(openai_sampling_dict(body, max_tokens))
+    base = body.rid or uuid.uuid4().hex
+    reqs = []
+    for i, ids in enumerate(prompts):
+        for j in range(body.n):
+            p = msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + j)
+            rid = base if len(prompts) * body.n == 1 else f"{base}-{i * body.n + j}"
+            reqs.append(tm.make_req(ids, p, max_set=max_set, rid=rid, stream=body.stream, return_logprob=logprobs,
+                                    logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs))
+    return reqs
+
+
+async def _respond(request: Request, tm: TokenizerManager, call: _Call, body: Any,
+                   make_choice: Any, stream_gen: Any) -> Response:
+    if body.stream:
+        return event_stream(stream_gen(tm, call))
+    if not await run_until_done(request, tm, call.states):
+        return Response(status_code=499)
+    choices = [make_choice(call, s) for s in call.states]
+    return JSONResp({"id": call.id, "object": call.kind, "created": call.created, "model": call.model,
+                     "choices": choices, "usage": call.usage()})
+
+
+# ---------------------------------------------------------------- /v1/completions
+
+
+def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], list[str]]:
+    if isinstance(prompt, str):
+        prompt = [prompt]
+    if not prompt:
+        raise ApiError("prompt must not be empty")
+    if isinstance(prompt[0], int):
+        prompt = [prompt]
+    ids = [tm.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
+    texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompt]
+    return ids, texts
+
+
+async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
+    body = parse_body(CompletionRequest, await request.body())
+    ids, texts = _completion_prompts(tm, body.prompt)
+    if body.max_tokens is not None and body.max_tokens < 0:
+        raise ApiError(f"max_tokens must be >= 0, got {body.max_tokens}")
+    want_lp = body.logprobs is not None
+    reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo)
+    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
+                 echo=[t for t in texts for _ in range(body.n)] if body.echo else [], logprobs=want_lp,
+                 include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
+    return await _respond(request, tm, call, body, _completion_choice, _stream_completion)
+
+
+def _completion_logprobs(entries: list, tops: list, offset: int) -> dict:
+    tokens, lps, top, offsets = [], [], [], []
+    for k, (lp, _tid, text) in enumerate(entries):
+        text = text or ""
+        tokens.append(text)
+        lps.append(lp)
+        row = tops[k] if k < len(tops) else None
+        top.append(None if row is None else {t or "": v for v, _i, t in row})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": top, "text_offset": offsets}
+
+
+def _completion_choice(call: _Call, s: ReqState) -> dict:
+    k = call.index(s)
+    prefix = call.echo[k] if call.echo else ""
+    lp = None
+    if call.logprobs:
+        entries, tops = list(s.output_token_logprobs), list(s.output_top_logprobs)
+        if call.echo:
+            entries = s.input_token_logprobs + entries
+            tops = (s.input_top_logprobs or [None] * len(s.input_token_logprobs)) + tops
+        lp = _completion_logprobs(entries, tops, 0)
+    reason, matched = _finish(s)
+    return {"index": k, "text": prefix + s.text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+
+
+async def _stream_completion(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+    sent_text = [0] * len(call.states)
+    sent_lp = [0] * len(call.states)
+    echoed = [not call.echo] * len(call.states)
+    try:
+        async for changed in tm.updates(call.states):
+            for s in changed:
+                k = call.index(s)
+                delta = s.text[sent_text[k]:]
+                lp = None
+                if call.logprobs:
+                    new = s.output_token_logprobs[sent_lp[k]:]
+                    lp = _completion_logprobs(new, s.output_top_logprobs[sent_lp[k]:], sent_text[k])
+                    sent_lp[k] += len(new)
+                sent_text[k] = len(s.text)
+                if not echoed[k]:
+                    echoed[k] = True
+                    delta = call.echo[k] + delta
+                reason, matched = _finish(s)
+                if delta or reason or (lp and lp["tokens"]):
+                    yield sse(call.chunk([{"index": k, "text": delta, "logprobs": lp, "finish_reason": reason,
+                                           "matched_stop": matched}]))
+        if call.include_usage:
+            yield sse(call.chunk([], call.usage()))
+        yield SSE_DONE
+    except ApiError as e:
+        yield sse(e.body())
+        yield SSE_DONE
+    finally:
+        tm.abort_states(call.states)
+
+
+# ---------------------------------------------------------------- /v1/chat/completions
+
+
+def _message_dict(m: ChatMessage) -> dict:
+    d = m.model_dump(exclude_none=True)
+    if isinstance(m.content, list):
+        parts = []
+        for part in m.content:
+            if part.get("type", "text") != "text" or not isinstance(part.get("text"), str):
+                raise ApiError("only text content parts are supported")
+            parts.append(part["text"])
+        d["content"] = "".join(parts)
+    d.setdefault("content", "")
+    return d
+
+
+def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage]) -> list[int]:
+    tok = tm.tokenizer
+    if not getattr(tok, "chat_template", None):
+        raise ApiError("This model has no chat template; use /v1/completions")
+    msgs = [_message_dict(m) for m in messages]
+    try:
+        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    except Exception as e:  # jinja raises on template rule violations (role order, ...)
+        raise ApiError(f"cannot apply the chat template: {e}") from None
+    return list(tok.encode(prompt, add_special_tokens=False))
+
+
+async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
+    body = parse_body(ChatCompletionRequest, await request.body())
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    if max_tokens is not None and max_tokens < 0:
+        raise ApiError(f"max_tokens must be >= 0, got {max_tokens}")
+    if body.top_logprobs is not None and not body.logprobs:
+        raise ApiError("top_logprobs requires logprobs to be true")
+    ids = chat_prompt_ids(tm, body.messages)
+    reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False)
+    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
+                 logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
+    return await _respond(request, tm, call, body, _chat_choice, _stream_chat)
+
+
+def _chat_logprobs(entries: list, tops: list) -> dict:
+    content = []
+    for k, (lp, _tid, text) in enumerate(entries):
+        text = text or ""
+        row = tops[k] if k < len(tops) else []
+        content.append({
+            "token": text, "logprob": lp, "bytes": list(text.encode("utf-8")),
+            "top_logprobs": [{"token": t or "", "logprob": v, "bytes": list((t or "").encode("utf-8"))}
+                             for v, _i, t in row or []],
+        })
+    return {"content": content}
+
+
+def _chat_choice(call: _Call, s: ReqState) -> dict:
+    reason, matched = _finish(s)
+    lp = _chat_logprobs(s.output_token_logprobs, s.output_top_logprobs) if call.logprobs else None
+    return {"index": call.index(s), "message": {"role": "assistant", "content": s.text},
+            "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+
+
+async def _stream_chat(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+    sent_text = [-1] * len(call.states)  # -1: the role chunk is not sent yet
+    sent_lp = [0] * len(call.states)
+    try:
+        async for changed in tm.updates(call.states):
+            for s in changed:
+                k = call.index(s)
+                if sent_text[k] < 0:
+                    sent_text[k] = 0
+                    yield sse(call.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None}]))
+                delta = s.text[sent_text[k]:]
+                sent_text[k] = len(s.text)
+                lp = None
+                if call.logprobs:
+                    lp = _chat_logprobs(s.output_token_logprobs[sent_lp[k]:], s.output_top_logprobs[sent_lp[k]:])
+                    sent_lp[k] = len(s.output_token_logprobs)
+                if delta or (lp and lp["content"]):
+                    yield sse(call.chunk([{"index": k, "delta": {"content": delta}, "logprobs": lp,
+                                           "finish_reason": None}]))
+                reason, matched = _finish(s)
+                if reason:
+                    yield sse(call.chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                           "matched_stop": matched}]))
+        if call.include_usage:
+            yield sse(call.chunk([], call.usage()))
+        yield SSE_DONE
+    except ApiError as e:
+        yield sse(e.body())
+        yield SSE_DONE
+    finally:
+        tm.abort_states(call.states)

@@ -1,0 +1,246 @@
+"""HTTP request bodies (SGLang /generate and the OpenAI endpoints) and the error shape.
+
+Bodies are parsed with pydantic in strict mode: unknown fields are ignored, values of
+the wrong type are a 400, never a silent coercion.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Optional, Sequence, Union
+
+import msgspec
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from tidal.sampling_params import SamplingParams
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+    504: "TimeoutError",
+}
+
+
+class ApiError(Exception):
+    """An error answered as HTTP `status_code` with the OpenAI error body."""
+
+    def __init__(self, message: str, status_code: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.status_code)
+
+
+def error_body(message: str, status_code: int) -> dict:
+    err_type = _ERROR_TYPES.get(status_code, "BadRequestError" if status_code < 500 else "InternalServerError")
+    return {"error": {"message": message, "type": err_type, "code": status_code}}
+
+
+def validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors(include_url=False):
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        parts.append(f"{loc}: {err.get('msg')}" if loc else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request"
+
+
+def parse_body(model: type[BaseModel], body: bytes) -> Any:
+    if not body.strip():
+        raise ApiError("request body is empty; expected a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as e:
+        raise ApiError(validation_message(e)) from None
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+# ---------------------------------------------------------------- SGLang native
+
+
+class GenerateRequest(_Body):
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int]] = -1
+    top_logprobs_num: Union[int, list[int]] = 0
+    return_text_in_logprobs: bool = False
+
+
+class AbortRequest(_Body):
+    rid: str = ""
+    abort_all: bool = False
+
+
+# ---------------------------------------------------------------- OpenAI
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _OpenAIBase(_Body):
+    model: Optional[str] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    seed: Optional[int] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    # SGLang extras
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    ignore_eos: Optional[bool] = None
+    min_tokens: Optional[int] = None
+    skip_special_tokens: Optional[bool] = None
+    no_stop_trim: Optional[bool] = None
+    stop_token_ids: Optional[list[int]] = None
+    rid: Optional[str] = None
+
+
+class CompletionRequest(_OpenAIBase):
+    prompt: Union[str, list[str], list[int], list[list[int]]]
+    max_tokens: Optional[int] = 16
+    logprobs: Optional[int] = None
+    echo: bool = False
+
+
+class ChatMessage(BaseModel):
+    # messages keep their extra keys (tool_calls, name, ...) for the chat template
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Optional[Union[str, list[dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_OpenAIBase):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+
+
+def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[str, Any]:
+    """The OpenAI fields of `req` under SGLang's sampling parameter names (unset ones left out)."""
+    pairs = {
+        "max_new_tokens": max_tokens,
+        "temperature": req.temperature,
+        "top_p": req.top_p,
+        "top_k": req.top_k,
+        "min_p": req.min_p,
+        "presence_penalty": req.presence_penalty,
+        "frequency_penalty": req.frequency_penalty,
+        "repetition_penalty": req.repetition_penalty,
+        "ignore_eos": req.ignore_eos,
+        "min_new_tokens": req.min_tokens,
+        "skip_special_tokens": req.skip_special_tokens,
+        "no_stop_trim": req.no_stop_trim,
+        "stop_token_ids": req.stop_token_ids,
+        "stop": req.stop,
+        "seed": req.seed,
+    }
+    # max_new_tokens stays even when None: an explicit null means "up to the context length"
+    return {k: v for k, v in pairs.items() if v is not None or k == "max_new_tokens"}
+
+
+_SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
+
+
+def sampling_from_dict(d: Optional[dict[str, Any]]) -> tuple[SamplingParams, bool, int]:
+    """SGLang `sampling_params` -> (SamplingParams, max_new_tokens_was_set, n).
+
+    Unknown keys are ignored; `stop` may be a string; `sampling_seed` is an alias of
+    `seed`. Raises ApiError on a wrong type; values are checked later, by
+    TokenizerManager.make_req, once the prompt length is known.
+    """
+    d = dict(d or {})
+    n = d.pop("n", None)
+    n = 1 if n is None else n
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(f"n must be an integer >= 1, got {n!r}")
+    if d.get("seed") is None and d.get("sampling_seed") is not None:
+        d["seed"] = d["sampling_seed"]
+    if isinstance(d.get("stop"), str):
+        d["stop"] = [d["stop"]]
+    for key in ("stop", "stop_token_ids"):
+        if d.get(key) is None:
+            d.pop(key, None)
+    max_set = not ("max_new_tokens" in d and d["max_new_tokens"] is None)  # omitted: the default 128
+    clean = {k: v for k, v in d.items() if k in _SAMPLING_FIELDS and v is not None}
+    try:
+        params = msgspec.convert(clean, SamplingParams)
+    except msgspec.ValidationError as e:
+        raise ApiError(f"invalid sampling_params: {e}") from None
+    return params, max_set, n
+
+
+# ---------------------------------------------------------------- HTTP plumbing
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_DONE = b"data: [DONE]\n\n"
+_json = msgspec.json.Encoder()  # non-finite floats (a -inf logprob) become null, valid JSON
+
+
+def to_json(obj: Any) -> bytes:
+    return _json.encode(obj)
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + _json.encode(obj) + b"\n\n"
+
+
+class JSONResp(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return _json.encode(content)
+
+
+def error_response(e: ApiError) -> JSONResp:
+    return JSONResp(e.body(), status_code=e.status_code)
+
+
+def event_stream(gen: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the next ASGI message is http.disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def run_until_done(request: Request, tm: Any, states: Sequence[Any]) -> bool:
+    """Wait until every state is finished; False (after aborting them) if the client left.
+
+    Raises the ApiError of a failed state.
+    """
+    work = asyncio.ensure_future(tm.wait_all(states))
+    gone = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not work.done():
+            work.cancel()
+            tm.abort_states(states)
+    if work in done:
+        work.result()
+        return True
+    return False

@@ -1,0 +1,437 @@
+"""The API process side of the scheduler link: tokenize, validate, send, route outputs.
+
+A request is one or more `ReqState`s (a batch, or n > 1) sharing one asyncio.Event;
+the receive task applies each `ReqOutput` to its state (ids, incremental text,
+logprobs), bumps the state's version and sets the event. Consumers iterate
+`TokenizerManager.updates(states)`, which yields cumulative snapshots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional, Sequence
+
+import zmq
+
+from tidal.config import ServerArgs
+from tidal.messages import (
+    AbortReq, BatchOut, FinishReason, FlushCacheReq, FlushCacheResp, GenerateReq, ReqOutput,
+    SchedulerError, SchedulerReady, StatsReq, StatsResp, decode_to_api, encode,
+)
+from tidal.sampling_params import SamplingParams
+from tidal.server.detokenizer import IncrementalDetokenizer, decode_tokens
+from tidal.server.protocol import ApiError
+
+logger = logging.getLogger(__name__)
+
+RPC_TIMEOUT_S = 10.0
+
+
+def load_server_tokenizer(args: ServerArgs) -> Any:
+    try:
+        from tidal.model.tokenizer import load_tokenizer
+    except ModuleNotFoundError as e:
+        if e.name not in ("tidal.model.tokenizer", "tidal.model"):
+            raise
+        load_tokenizer = _fallback_load_tokenizer
+    return load_tokenizer(args.model_path, args.tokenizer_path)
+
+
+def _fallback_load_tokenizer(model_path: str, tokenizer_path: Optional[str] = None) -> Any:
+    from transformers import AutoTokenizer
+
+    if tokenizer_path:
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    if model_path.endswith(".gguf"):
+        d, f = os.path.split(os.path.abspath(model_path))
+        return AutoTokenizer.from_pretrained(d, gguf_file=f)
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+@dataclass(eq=False)
+class ReqState:
+    req: GenerateReq
+    group: str  # the client's rid for the whole request (batch / n > 1)
+    event: asyncio.Event
+    detok: IncrementalDetokenizer
+    text_in_logprobs: bool = False
+    internal: bool = False  # health checks: not counted in metrics
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: Optional[FinishReason] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    created: float = field(default_factory=time.monotonic)
+    first_token_at: Optional[float] = None
+    last_token_at: Optional[float] = None
+    finished_at: Optional[float] = None
+    error: Optional[ApiError] = None
+    version: int = 0
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_at is not None
+
+    @property
+    def text(self) -> str:
+        return self.detok.text
+
+    def apply(self, out: ReqOutput, tokenizer: Any) -> None:
+        self.output_ids.extend(out.new_token_ids)
+        self.detok.feed(out.new_token_ids, out.finish_reason)
+        self.prompt_tokens = out.prompt_tokens or self.prompt_tokens
+        self.completion_tokens = out.completion_tokens or self.completion_tokens
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.input_logprobs:
+            self.input_token_logprobs.extend(self._triples(out.input_logprobs, tokenizer))
+        if out.input_top_logprobs:
+            self.input_top_logprobs.extend(
+                None if row is None else self._triples(row, tokenizer) for row in out.input_top_logprobs)
+        if out.output_logprobs:
+            self.output_token_logprobs.extend(self._triples(out.output_logprobs, tokenizer))
+        if out.output_top_logprobs:
+            self.output_top_logprobs.extend(self._triples(row, tokenizer) for row in out.output_top_logprobs)
+        if out.finish_reason is not None:
+            self.finish(out.finish_reason)
+        self.version += 1
+
+    def _triples(self, pairs: Sequence[tuple[Optional[float], int]], tokenizer: Any) -> list[list]:
+        texts = decode_tokens(tokenizer, [t for _, t in pairs]) if self.text_in_logprobs else None
+        return [[lp, tid, texts[i] if texts else None] for i, (lp, tid) in enumerate(pairs)]
+
+    def finish(self, reason: FinishReason, error: Optional[ApiError] = None) -> None:
+        if self.finished:
+            return
+        if not self.detok.finished:
+            self.detok.feed([], reason)
+        self.finish_reason = reason
+        self.finished_at = time.monotonic()
+        if error is None and reason.type == "abort" and reason.status_code:
+            error = ApiError(reason.message or "request aborted", reason.status_code)
+        self.error = error
+        self.version += 1
+        self.event.set()
+
+    def num_prompt_tokens(self) -> int:
+        return self.prompt_tokens or len(self.req.input_ids)
+
+    def num_completion_tokens(self) -> int:
+        return self.completion_tokens or len(self.output_ids)
+
+    def meta_info(self) -> dict:
+        end = self.finished_at or time.monotonic()
+        meta = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
+            "prompt_tokens": self.num_prompt_tokens(),
+            "completion_tokens": self.num_completion_tokens(),
+            "cached_tokens": self.cached_tokens,
+            "e2e_latency": round(end - self.created, 6),
+        }
+        if self.req.return_logprob:
+            meta["input_token_logprobs"] = self.input_token_logprobs
+            meta["output_token_logprobs"] = self.output_token_logprobs
+            if self.req.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = self.input_top_logprobs
+                meta["output_top_logprobs"] = self.output_top_logprobs
+        return meta
+
+
+class TokenizerManager:
+    def __init__(self, args: ServerArgs, tokenizer: Any = None, metrics: Any = None) -> None:
+        self.args = args
+        self.tokenizer = tokenizer if tokenizer is not None else load_server_tokenizer(args)
+        self.metrics = metrics
+        self.ready: Optional[SchedulerReady] = None
+        self.dead_reason: Optional[str] = None
+        self.output_timeout = float(args.watchdog_timeout)
+        self.last_output_at = 0.0
+        self._states: dict[str, ReqState] = {}
+        self._rpcs: dict[int, asyncio.Future] = {}
+        self._call_ids = itertools.count(1)
+        self._push: Optional[zmq.Socket] = None
+        self._recv_task: Optional[asyncio.Task] = None
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self, push: zmq.Socket, pull: Any, ready: SchedulerReady) -> None:
+        """`push` is a blocking zmq PUSH (sent with NOBLOCK), `pull` a zmq.asyncio PULL."""
+        self._push, self.ready = push, ready
+        self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(pull))
+
+    async def stop(self) -> None:
+        if self._recv_task is not None:
+            self._recv_task.cancel()
+            await asyncio.gather(self._recv_task, return_exceptions=True)
+            self._recv_task = None
+
+    @property
+    def alive(self) -> bool:
+        return self.dead_reason is None and self.ready is not None
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._states)
+
+    def mark_dead(self, reason: str) -> None:
+        """The scheduler is gone: fail every pending request and RPC with a 503."""
+        if self.dead_reason is not None:
+            return
+        self.dead_reason = reason
+        logger.error("scheduler is gone: %s", reason)
+        err = ApiError(f"The scheduler process is gone ({reason}); the server is shutting down.", 503)
+        for state in list(self._states.values()):
+            state.finish(FinishReason(type="abort", message=err.message, status_code=503), err)
+        self._states.clear()
+        for fut in self._rpcs.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    def _check_alive(self) -> None:
+        if self.dead_reason is not None:
+            raise ApiError(f"The scheduler process is gone ({self.dead_reason}).", 503)
+        if self.ready is None:
+            raise ApiError("The server is starting up.", 503)
+
+    def _send(self, msg: Any) -> None:
+        self._check_alive()
+        try:
+            self._push.send(encode(msg), zmq.NOBLOCK)
+        except zmq.ZMQError as e:
+            self.mark_dead(f"send failed: {e}")
+            self._check_alive()
+
+    # ------------------------------------------------------------ receiving
+
+    async def _recv_loop(self, pull: Any) -> None:
+        while True:
+            data = await pull.recv()
+            try:
+                msg = decode_to_api(data)
+            except Exception:  # a bad frame must not stop the loop
+                logger.exception("undecodable message from the scheduler")
+                continue
+            try:
+                self._dispatch(msg)
+            except Exception:
+                logger.exception("failed to handle %s", type(msg).__name__)
+            # recv() of a queued message does not yield; let the HTTP tasks run between batches
+            await asyncio.sleep(0)
+
+    def _dispatch(self, msg: Any) -> None:
+        if isinstance(msg, BatchOut):
+            now = time.monotonic()
+            self.last_output_at = now
+            for out in msg.outputs:
+                self._on_output(out, now)
+        elif isinstance(msg, (FlushCacheResp, StatsResp)):
+            fut = self._rpcs.get(msg.call_id)
+            if fut is not None and not fut.done():
+                fut.set_result(msg)
+        elif isinstance(msg, SchedulerError):
+            self.mark_dead(msg.message)
+        elif isinstance(msg, SchedulerReady):
+            self.ready = msg
+
+    def _on_output(self, out: ReqOutput, now: float) -> None:
+        state = self._states.get(out.rid)
+        if state is None:
+            return  # aborted by the client, or unknown
+        n = len(out.new_token_ids)
+        if n and self.metrics is not None and not state.internal:
+            if state.first_token_at is None:  # tokens that come with the first one carry no ITL
+                self.metrics.on_first_token(now - state.created)
+            else:
+                self.metrics.on_tokens(now - state.last_token_at, n)
+        if n:
+            state.first_token_at = state.first_token_at or now
+            state.last_token_at = now
+        state.apply(out, self.tokenizer)
+        if state.finished:
+            self._states.pop(out.rid, None)
+            self._on_finished(state)
+        state.event.set()
+
+    def _on_finished(self, state: ReqState) -> None:
+        if self.metrics is None or state.internal:
+            return
+        fr = state.finish_reason
+        self.metrics.on_finish(
+            state.num_prompt_tokens(), state.num_completion_tokens(), state.cached_tokens,
+            state.finished_at - state.created, aborted=fr is not None and fr.type == "abort")
+
+    # ------------------------------------------------------------ requests
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
+
+    def make_req(
+        self, input_ids: list[int], sampling: SamplingParams, *, max_set: bool = True,
+        rid: Optional[str] = None, stream: bool = False, return_logprob: bool = False,
+        logprob_start_len: int = -1, top_logprobs_num: int = 0,
+    ) -> GenerateReq:
+        """Validate one prompt and its parameters against the model limits (ApiError 400)."""
+        self._check_alive()
+        ready, n = self.ready, len(input_ids)
+        if n == 0:
+            raise ApiError("The prompt is empty; it must contain at least one token.")
+        if any(not 0 <= t < ready.vocab_size for t in input_ids):
+            raise ApiError(f"input_ids must be token ids in [0, {ready.vocab_size})")
+        if n > ready.max_req_input_len:
+            raise ApiError(
+                f"The input ({n} tokens) is longer than the model's maximum input length "
+                f"({ready.max_req_input_len} tokens; context length {ready.context_length} tokens).")
+        remaining = max(ready.context_length - n, 0)
+        if not max_set:
+            sampling.max_new_tokens = remaining
+        try:
+            sampling.validate(ready.vocab_size)
+        except ValueError as e:
+            raise ApiError(str(e)) from None
+        sampling.max_new_tokens = min(sampling.max_new_tokens, remaining)
+        sampling.min_new_tokens = min(sampling.min_new_tokens, sampling.max_new_tokens)
+        if top_logprobs_num < 0:
+            raise ApiError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        if not -1 <= logprob_start_len < n:
+            raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
+        return GenerateReq(
+            rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=sampling, stream=stream,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0, arrival_time=time.time())
+
+    def submit(
+        self, reqs: Sequence[GenerateReq], group: Optional[str] = None, *,
+        text_in_logprobs: bool = False, internal: bool = False,
+    ) -> list[ReqState]:
+        """Register and send the requests; all states share one event."""
+        self._check_alive()
+        rids = [r.rid for r in reqs]
+        if len(set(rids)) != len(rids) or any(r in self._states for r in rids):
+            raise ApiError("Duplicate request id (rid): a request with this rid is in flight.")
+        event = asyncio.Event()
+        states = [self._new_state(r, group or r.rid, event, text_in_logprobs, internal) for r in reqs]
+        for state in states:
+            self._states[state.rid] = state
+            try:
+                self._send(state.req)
+            except ApiError:
+                self.abort_states(states)
+                raise
+        return states
+
+    def _new_state(self, req: GenerateReq, group: str, event: asyncio.Event,
+                   text_in_logprobs: bool, internal: bool) -> ReqState:
+        s = req.sampling
+        detok = IncrementalDetokenizer(self.tokenizer, req.input_ids, skip_special_tokens=s.skip_special_tokens,
+                                       stop=s.stop, no_stop_trim=s.no_stop_trim)
+        return ReqState(req=req, group=group, event=event, detok=detok,
+                        text_in_logprobs=text_in_logprobs, internal=internal)
+
+    async def updates(self, states: Sequence[ReqState]) -> AsyncIterator[list[ReqState]]:
+        """Yield the states that changed since the previous yield, until all are finished.
+
+        Raises the ApiError of a failed state, and a 504 (after aborting) when the
+        scheduler sends nothing for `output_timeout` seconds.
+        """
+        seen = [-1] * len(states)
+        event = states[0].event
+        while True:
+            if not event.is_set():
+                try:
+                    await asyncio.wait_for(event.wait(), self.output_timeout)
+                except asyncio.TimeoutError:
+                    self.abort_states(states)
+                    raise ApiError(f"No output from the scheduler for {self.output_timeout:.0f}s", 504) from None
+            event.clear()
+            changed = []
+            for i, s in enumerate(states):
+                if s.version != seen[i]:
+                    seen[i] = s.version
+                    changed.append(s)
+                if s.error is not None:
+                    self.abort_states(states)
+                    raise s.error
+            if changed:
+                yield changed
+            if all(s.finished for s in states):
+                return
+
+    async def wait_all(self, states: Sequence[ReqState]) -> list[ReqState]:
+        async for _ in self.updates(states):
+            pass
+        return list(states)
+
+    def abort_states(self, states: Sequence[ReqState]) -> None:
+        """The client is gone: forget the unfinished states and tell the scheduler."""
+        for s in states:
+            if not s.finished and self._states.pop(s.rid, None) is not None:
+                s.finish(FinishReason(type="abort", message="client disconnected"))
+                self._on_finished(s)
+                if self.dead_reason is None:
+                    try:
+                        self._send(AbortReq(rid=s.rid))
+                    except ApiError:
+                        pass
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> int:
+        """/abort_request: finish matching requests as aborted; returns how many."""
+        if abort_all:
+            matched = list(self._states.values())
+        else:
+            matched = [s for s in self._states.values() if rid and (s.rid == rid or s.group == rid)]
+        self._send(AbortReq(abort_all=True) if abort_all else AbortReq(rid=rid))
+        for s in matched:
+            if s.rid != rid and not abort_all:
+                self._send(AbortReq(rid=s.rid))
+            self._states.pop(s.rid, None)
+            s.finish(FinishReason(type="abort", message="Aborted by /abort_request"))
+            self._on_finished(s)
+        return len(matched)
+
+    # ------------------------------------------------------------ RPCs
+
+    async def _call(self, msg_type: type, timeout: float) -> Any:
+        call_id = next(self._call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self._rpcs[call_id] = fut
+        try:
+            self._send(msg_type(call_id=call_id))
+            return await asyncio.wait_for(fut, timeout)
+        except asyncio.TimeoutError:
+            raise ApiError(f"The scheduler did not answer {msg_type.__name__} within {timeout:.0f}s", 504) from None
+        finally:
+            self._rpcs.pop(call_id, None)
+
+    async def flush_cache(self, timeout: float = RPC_TIMEOUT_S) -> FlushCacheResp:
+        return await self._call(FlushCacheReq, timeout)
+
+    async def get_stats(self, timeout: float = RPC_TIMEOUT_S) -> StatsResp:
+        return await self._call(StatsReq, timeout)
+
+    async def health_generate(self, timeout: float) -> bool:
+        """Run a 1-token greedy generation; True when it finishes within `timeout`."""
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        ids = [bos] if isinstance(bos, int) and 0 <= bos < self.ready.vocab_size else [0]
+        req = GenerateReq(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=ids,
+                          sampling=SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True))
+        states = self.submit([req], internal=True)
+        try:
+            await asyncio.wait_for(self.wait_all(states), timeout)
+        except (asyncio.TimeoutError, ApiError):
+            self.abort_states(states)
+            return False
+        return True
