@@ -29,15 +29,17 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.device = torch.device(device)
         total = size + page_size
+        # torch.empty leaves untouched pages unbacked, so a large pool costs memory only as
+        # it fills; every slot is written before it is read, except the dummy page, which
+        # padding reads and must hold finite values (0 * NaN would poison attention).
         # [layer] -> [slot, kv_head, head_dim]
-        self.k_buffer = [
-            torch.zeros((total, num_kv_heads, head_dim), dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
-        self.v_buffer = [
-            torch.zeros((total, num_kv_heads, head_dim), dtype=dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+        self.k_buffer = [self._new_buffer(total) for _ in range(num_layers)]
+        self.v_buffer = [self._new_buffer(total) for _ in range(num_layers)]
+
+    def _new_buffer(self, total: int) -> torch.Tensor:
+        buf = torch.empty((total, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
+        buf[: self.page_size].zero_()
+        return buf
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; loc: [num_tokens] slots."""

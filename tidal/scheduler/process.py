@@ -16,7 +16,7 @@ from tidal.messages import BatchOut, SchedulerError, SchedulerReady, decode_to_s
 
 logger = logging.getLogger(__name__)
 
-IDLE_POLL_MS = 1000
+IDLE_POLL_MS = 100
 
 
 def _die_with_parent() -> None:
