@@ -1,0 +1,121 @@
+"""GGUF files: metadata -> ModelConfig, tensors -> float tensors under Hugging Face parameter names."""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+
+from tidal.model.config import ModelConfig, config_from_gguf
+
+# large tokenizer arrays that the model does not need (slow to decode field by field)
+_SKIP_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                "tokenizer.ggml.token_type", "tokenizer.ggml.added_tokens"}
+
+_GLOBAL_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+_BLOCK_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+# llama.cpp's converter permutes q/k rows of these archs into its interleaved RoPE layout
+_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def read_metadata(reader: Any) -> dict[str, Any]:
+    """GGUF key/values as plain Python values (big tokenizer arrays are skipped)."""
+    meta: dict[str, Any] = {}
+    for name, f in reader.fields.items():
+        if name in _SKIP_FIELDS or name.startswith("GGUF."):
+            continue
+        meta[name] = f.contents()
+    return meta
+
+
+def gguf_to_hf_name(name: str) -> str | None:
+    """`blk.3.attn_q.weight` -> `model.layers.3.self_attn.q_proj.weight`; None for unknown tensors."""
+    if name in _GLOBAL_NAMES:
+        return _GLOBAL_NAMES[name]
+    m = _BLOCK_RE.match(name)
+    if m is None or m.group(2) not in _BLOCK_NAMES:
+        return None
+    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
+
+
+def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> HF half-rotation layout).
+
+    The converter maps HF rows [head, half, pair_idx] to [head, pair_idx, half]; this is the inverse.
+    Works for weights [rows, in] and biases [rows].
+    """
+    rows = w.shape[0]
+    half_dim = rows // n_head // 2
+    w = w.reshape(n_head, half_dim, 2, *w.shape[1:])  # [head, pair_idx, half, ...]
+    return w.transpose(1, 2).reshape(rows, *w.shape[3:])  # [head*half*pair_idx, ...]
+
+
+def _dequantize(t: Any) -> torch.Tensor:
+    from gguf.quants import dequantize
+
+    arr = dequantize(t.data, t.tensor_type)
+    if not arr.flags.writeable:  # F32 tensors come back as views of the read-only mmap
+        arr = arr.copy()
+    shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
+
+
+def _iter_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    permuted = config.arch in _PERMUTED_ARCHS
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":
+            continue  # folded into config.rope_freq_factors
+        hf = gguf_to_hf_name(t.name)
+        if hf is None:
+            raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        w = _dequantize(t)
+        if permuted and ".q_proj." in hf:
+            w = unpermute_qk(w, config.num_heads)
+        elif permuted and ".k_proj." in hf:
+            w = unpermute_qk(w, config.num_kv_heads)
+        yield hf, w
+
+
+def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Returns the config and a lazy iterator of (HF parameter name, float32 tensor)."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    meta = read_metadata(reader)
+    tensors = {t.name: t for t in reader.tensors}
+    config = config_from_gguf(meta, set(tensors))
+    emb = tensors.get("token_embd.weight")
+    if emb is not None:
+        config.vocab_size = int(emb.shape[1])  # GGUF shape [hidden, vocab]
+    if "rope_freqs.weight" in tensors:
+        config.rope_freq_factors = _dequantize(tensors["rope_freqs.weight"]).flatten().tolist()
+    return config, _iter_weights(reader, config)
+
+
+def read_gguf_chat_template(path: str) -> str | None:
+    from gguf import GGUFReader
+
+    f = GGUFReader(path).fields.get("tokenizer.chat_template")
+    return None if f is None else f.contents()

@@ -1,0 +1,254 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a flat ragged ForwardBatch."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tidal.model.attention import TorchNativeAttnBackend
+from tidal.model.config import ModelConfig
+from tidal.model.forward_batch import ForwardBatch
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        # like HF: normalise in float32, cast back, then scale
+        return F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype) * self.weight
+
+
+def rope_inv_freq(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies [D/2] (float32) and the cos/sin scale, for the config's RoPE scaling."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if config.rope_freq_factors is not None:
+        inv = inv / torch.tensor(config.rope_freq_factors, dtype=torch.float32)
+    rs = config.rope_scaling
+    if rs is None:
+        return inv, 1.0
+    if rs["rope_type"] == "linear":
+        return inv / rs["factor"], 1.0
+    if rs["rope_type"] == "llama3":
+        return _llama3_inv_freq(inv, rs), 1.0
+    return _yarn_inv_freq(config, rs)
+
+
+def _llama3_inv_freq(inv: torch.Tensor, rs: dict) -> torch.Tensor:
+    factor, old_ctx = rs["factor"], rs["original_max_position_embeddings"]
+    low, high = rs["low_freq_factor"], rs["high_freq_factor"]
+    wavelen = 2 * math.pi / inv
+    # long wavelengths are slowed down by `factor`, short ones kept, the band between interpolated
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    blended = (1 - smooth) * inv / factor + smooth * inv
+    out = torch.where(wavelen > old_ctx / low, inv / factor, inv)
+    in_band = (wavelen >= old_ctx / high) & (wavelen <= old_ctx / low)
+    return torch.where(in_band, blended, out)
+
+
+def _yarn_inv_freq(config: ModelConfig, rs: dict) -> tuple[torch.Tensor, float]:
+    dim, base, factor = config.head_dim, config.rope_theta, rs["factor"]
+    old_ctx = rs["original_max_position_embeddings"]
+    beta_fast, beta_slow = rs.get("beta_fast") or 32, rs.get("beta_slow") or 1
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attn_factor = rs.get("attention_factor")
+    if attn_factor is None:
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attn_factor = mscale(factor, rs["mscale"]) / mscale(factor, rs["mscale_all_dim"])
+        else:
+            attn_factor = mscale(factor)
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(old_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(base))
+
+    lo, hi = correction_dim(beta_fast), correction_dim(beta_slow)
+    if rs.get("truncate", True):
+        lo, hi = math.floor(lo), math.ceil(hi)
+    lo, hi = max(lo, 0), min(hi, dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extrapolate = 1 - ramp  # 1: keep the original frequency, 0: interpolate by `factor`
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolate) + (1.0 / pos_freqs) * extrapolate
+    return inv, float(attn_factor)
+
+
+class RotaryEmbedding(nn.Module):
+    """HF-style half rotation: x = [x1, x2] -> [x1*cos - x2*sin, x2*cos + x1*sin]."""
+
+    def __init__(self, config: ModelConfig, max_positions: int):
+        super().__init__()
+        self.config, self.max_positions = config, max_positions
+        self.register_buffer("cos", torch.empty(0), persistent=False)
+        self.register_buffer("sin", torch.empty(0), persistent=False)
+        self.build()
+
+    def build(self, device: Optional[torch.device] = None) -> None:
+        """(Re)computes the float32 cos/sin cache [P, D/2], e.g. after materialising from meta."""
+        device = device if device is not None else self.cos.device
+        inv_freq, scale = rope_inv_freq(self.config)
+        pos = torch.arange(self.max_positions, dtype=torch.float32)
+        freqs = torch.outer(pos, inv_freq).to(device)  # [P, D/2]
+        self.cos = freqs.cos() * scale
+        self.sin = freqs.sin() * scale
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D/2]
+        sin = self.sin[positions].to(q.dtype)[:, None, :]
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 backend: TorchNativeAttnBackend):
+        super().__init__()
+        self.layer_id = layer_id
+        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.rotary = [rotary]  # shared; a list so it is not registered once per layer
+        self.backend = [backend]
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        n_tok = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(n_tok, self.n_heads, self.head_dim)  # [T, H*D] -> [T, H, D]
+        k = k.view(n_tok, self.n_kv, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
+        v = v.view(n_tok, self.n_kv, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](positions, q, k)
+        out = self.backend[0].forward(q, k, v, self.layer_id, fb)  # [T, H*D]
+        return self.o_proj(out)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.inter = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
+        self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
+                 backend: TorchNativeAttnBackend):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, rotary, backend)
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: ModelConfig, backend: TorchNativeAttnBackend, max_positions: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, self.rotary, backend) for i in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        h = self.embed_tokens(fb.input_ids)
+        for layer in self.layers:
+            h = layer(fb.positions, h, fb)
+        return self.norm(h)
+
+
+class LlamaForCausalLM(nn.Module):
+    """forward(fb) -> final-normed hidden [T, hidden]; compute_logits(hidden [N, hidden]) -> float32 [N, vocab]."""
+
+    def __init__(self, config: ModelConfig, attn_backend: Optional[TorchNativeAttnBackend] = None,
+                 max_positions: Optional[int] = None):
+        super().__init__()
+        self.config = config
+        self.attn_backend = attn_backend or TorchNativeAttnBackend()
+        self.model = LlamaModel(config, self.attn_backend, max_positions or config.context_length)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        if fb.attn_metadata is None:
+            self.attn_backend.init_forward_metadata(fb)
+        return self.model(fb)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Loads HF-named tensors, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
+        params = dict(self.named_parameters(remove_duplicate=False))
+        loaded: set[str] = set()
+        for name, w in weights:
+            target, offset = self._fused_target(name)
+            if target not in params:
+                if name == "lm_head.weight" and self.config.tie_word_embeddings:
+                    continue  # some checkpoints store the tied copy too
+                raise KeyError(f"checkpoint tensor {name!r} has no place in the model")
+            p = params[target]
+            dst = p.data if offset is None else p.data.narrow(0, offset, w.shape[0])
+            if dst.shape != w.shape:
+                raise ValueError(f"{name}: checkpoint shape {tuple(w.shape)} != model shape {tuple(dst.shape)}")
+            dst.copy_(w)
+            loaded.add(f"{target}@{offset}")
+        self._check_complete(loaded)
+
+    def _fused_target(self, name: str) -> tuple[str, Optional[int]]:
+        """Maps an HF parameter name to (our parameter name, row offset inside a fused one)."""
+        c = self.config
+        for part, offset in (("q_proj", 0), ("k_proj", c.q_size), ("v_proj", c.q_size + c.kv_size)):
+            if f".self_attn.{part}." in name:
+                return name.replace(part, "qkv_proj"), offset
+        for part, offset in (("gate_proj", 0), ("up_proj", c.intermediate_size)):
+            if f".mlp.{part}." in name:
+                return name.replace(part, "gate_up_proj"), offset
+        return name, None
+
+    def _check_complete(self, loaded: set[str]) -> None:
+        expected: set[str] = set()
+        for name, _ in self.named_parameters():
+            if ".qkv_proj." in name:
+                c = self.config
+                expected |= {f"{name}@{o}" for o in (0, c.q_size, c.q_size + c.kv_size)}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}@{o}" for o in (0, self.config.intermediate_size)}
+            else:
+                expected.add(f"{name}@None")
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {missing[:4]}")

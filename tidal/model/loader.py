@@ -1,0 +1,58 @@
+"""load_model(path, dtype, device): a GGUF file or a Hugging Face directory -> (model, ModelConfig)."""
+
+from __future__ import annotations
+
+import os
+from typing import Iterator, Optional
+
+import torch
+
+from tidal.model.attention import TorchNativeAttnBackend
+from tidal.model.config import ModelConfig
+from tidal.model.llama import LlamaForCausalLM
+
+
+def resolve_model_path(path: str) -> tuple[str, str]:
+    """("gguf", file) or ("hf", directory). A directory holding no config.json but one .gguf counts as that file."""
+    if os.path.isfile(path):
+        if path.endswith(".gguf"):
+            return "gguf", path
+        raise ValueError(f"{path}: expected a .gguf file or a model directory")
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"model path {path!r} does not exist")
+    if os.path.exists(os.path.join(path, "config.json")):
+        return "hf", path
+    ggufs = sorted(n for n in os.listdir(path) if n.endswith(".gguf"))
+    if len(ggufs) == 1:
+        return "gguf", os.path.join(path, ggufs[0])
+    raise ValueError(f"{path}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
+
+
+def read_model(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    kind, resolved = resolve_model_path(path)
+    if kind == "gguf":
+        from tidal.model.gguf_loader import load_gguf
+
+        return load_gguf(resolved)
+    from tidal.model.hf_loader import load_hf_dir
+
+    return load_hf_dir(resolved)
+
+
+def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               attn_backend: Optional[TorchNativeAttnBackend] = None,
+               context_length: Optional[int] = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Builds the model without random init (on meta), then fills it from the checkpoint.
+
+    context_length, if given, overrides the config's (it sizes the RoPE cache).
+    """
+    config, weights = read_model(path)
+    if context_length:
+        config.context_length = int(context_length)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attn_backend=attn_backend)
+    model = model.to_empty(device=device).to(dtype)
+    model.tie_weights()  # to_empty may have untied them
+    model.model.rotary.build(torch.device(device))  # float32 cache, recomputed for real
+    model.load_weights(weights)
+    return model.eval(), config
