@@ -186,3 +186,20 @@ def test_sigterm_leaves_no_orphans():
     time.sleep(1)
     for pid in children:
         assert not os.path.exists(f"/proc/{pid}") or "zombie" in open(f"/proc/{pid}/status").read().lower()
+
+
+@pytest.mark.parametrize("backend", ["tidal", "openai-chat"])
+def test_bench_against_real_server(server, backend, tmp_path):
+    import argparse
+
+    from tidal.bench import add_bench_args, run_bench
+
+    out = tmp_path / "r.json"
+    ns = add_bench_args(argparse.ArgumentParser()).parse_args([
+        "--url", server.url, "--backend", backend, "--num-prompts", "4", "--random-input-len", "16",
+        "--random-output-len", "8", "--max-concurrency", "4", "--disable-tqdm", "--output-file", str(out),
+    ])
+    res = run_bench(ns)
+    assert res["completed"] == 4 and res["failed"] == 0
+    assert res["total_output_tokens"] == 32
+    assert res["ttft_ms"]["p50"] > 0 and out.exists()

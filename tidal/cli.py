@@ -1,4 +1,4 @@
-"""The `tidal` command: serve, bench (router and cluster arrive with PD disaggregation)."""
+"""The `tidal` command: serve, bench, router."""
 
 from __future__ import annotations
 
@@ -17,6 +17,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.bench import add_bench_args
 
     add_bench_args(bench)
+    router = sub.add_parser("router", help="prefill/decode-aware router in front of tidal or SGLang workers")
+    from tidal.router.cli import add_router_args
+
+    add_router_args(router)
     return parser
 
 
@@ -27,6 +31,10 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.server.launch import launch_server
 
         return launch_server(server_args_from_namespace(args))
+    if args.command == "router":
+        from tidal.router.cli import run_router
+
+        return run_router(args)
     if args.command == "bench":
         from tidal.bench import run_bench
 

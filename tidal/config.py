@@ -11,6 +11,8 @@ from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+DISAGG_MODES = ("null", "prefill", "decode")
+TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 
 
 def default_model_path() -> str:
@@ -52,6 +54,12 @@ class ServerArgs:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
+    # prefill/decode disaggregation
+    disaggregation_mode: str = "null"
+    disaggregation_transfer_backend: str = "tcp"
+    disaggregation_bootstrap_port: int = 8998
+    num_reserved_decode_tokens: int = 512
+    disaggregation_decode_polling_interval: int = 1
     # runtime
     random_seed: int = 0
     torch_threads: Optional[int] = None
@@ -80,6 +88,10 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.disaggregation_mode not in DISAGG_MODES:
+            raise ValueError(f"--disaggregation-mode must be one of {DISAGG_MODES}")
+        if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
+            raise ValueError(f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
 
@@ -109,6 +121,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--max-running-requests", type=int, default=d.max_running_requests)
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default=d.schedule_policy)
     a("--schedule-conservativeness", type=float, default=d.schedule_conservativeness)
+    a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode)
+    a("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default=d.disaggregation_transfer_backend)
+    a("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port)
+    a("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens)
+    a("--disaggregation-decode-polling-interval", type=int, default=d.disaggregation_decode_polling_interval)
     a("--random-seed", type=int, default=d.random_seed)
     a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
     a("--stream-interval", type=int, default=d.stream_interval)
@@ -123,6 +140,8 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     kw = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if not kw.get("model_path"):
         kw["model_path"] = default_model_path()
+    if kw.get("disaggregation_mode") == "decode":
+        kw["disable_radix_cache"] = True  # as in SGLang: decode holds transferred KV, not a prefix tree
     args = ServerArgs(**kw)
     args.validate()
     return args

@@ -152,7 +152,10 @@ def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, b
                 ids, p, max_set=max_set, rid=rid if n == 1 else f"{rid}-{j}", stream=body.stream,
                 return_logprob=bool(_pick(body.return_logprob, i, "return_logprob", count)),
                 logprob_start_len=_pick(body.logprob_start_len, i, "logprob_start_len", count),
-                top_logprobs_num=_pick(body.top_logprobs_num, i, "top_logprobs_num", count)))
+                top_logprobs_num=_pick(body.top_logprobs_num, i, "top_logprobs_num", count),
+                bootstrap=(_pick(body.bootstrap_host, i, "bootstrap_host", count),
+                           _pick(body.bootstrap_port, i, "bootstrap_port", count),
+                           _pick(body.bootstrap_room, i, "bootstrap_room", count))))
     return reqs, batched, group
 
 

@@ -65,6 +65,8 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
         raise ApiError(f"n must be >= 1, got {body.n}")
     if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
         raise ApiError(f"logprobs / top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    if body.bootstrap_room is not None and len(prompts) * body.n > 1:
+        raise ApiError("A request with bootstrap_room (prefill/decode pairing) takes one prompt and n=1.")
     params, max_set, _ = sampling_from_dict(openai_sampling_dict(body, max_tokens))
     base = body.rid or uuid.uuid4().hex
     reqs = []
@@ -73,7 +75,8 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
             p = msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + j)
             rid = base if len(prompts) * body.n == 1 else f"{base}-{i * body.n + j}"
             reqs.append(tm.make_req(ids, p, max_set=max_set, rid=rid, stream=body.stream, return_logprob=logprobs,
-                                    logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs))
+                                    logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs,
+                                    bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)))
     return reqs
 
 

@@ -77,6 +77,10 @@ class GenerateRequest(_Body):
     logprob_start_len: Union[int, list[int]] = -1
     top_logprobs_num: Union[int, list[int]] = 0
     return_text_in_logprobs: bool = False
+    # prefill/decode pairing (router-injected); lists for batches
+    bootstrap_host: Optional[Union[str, list[str]]] = None
+    bootstrap_port: Optional[Union[int, list[int]]] = None
+    bootstrap_room: Optional[Union[int, list[int]]] = None
 
 
 class AbortRequest(_Body):
@@ -112,6 +116,9 @@ class _OpenAIBase(_Body):
     no_stop_trim: Optional[bool] = None
     stop_token_ids: Optional[list[int]] = None
     rid: Optional[str] = None
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
 
 
 class CompletionRequest(_OpenAIBase):

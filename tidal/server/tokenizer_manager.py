@@ -151,6 +151,19 @@ class ReqState:
         return meta
 
 
+def _bootstrap_fields(bootstrap: Optional[tuple]) -> dict:
+    if bootstrap is None or bootstrap[2] is None:
+        return {}
+    host, port, room = bootstrap
+    if not isinstance(room, int) or not 0 <= room < 2**63:
+        raise ApiError(f"bootstrap_room must be an integer in [0, 2**63), got {room!r}")
+    if port is not None and not 0 < port < 65536:
+        raise ApiError(f"bootstrap_port must be a TCP port, got {port!r}")
+    if not host:
+        raise ApiError("bootstrap_host is required with bootstrap_room")
+    return {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+
+
 class TokenizerManager:
     def __init__(self, args: ServerArgs, tokenizer: Any = None, metrics: Any = None) -> None:
         self.args = args
@@ -283,6 +296,7 @@ class TokenizerManager:
         self, input_ids: list[int], sampling: SamplingParams, *, max_set: bool = True,
         rid: Optional[str] = None, stream: bool = False, return_logprob: bool = False,
         logprob_start_len: int = -1, top_logprobs_num: int = 0,
+        bootstrap: Optional[tuple[Optional[str], Optional[int], Optional[int]]] = None,
     ) -> GenerateReq:
         """Validate one prompt and its parameters against the model limits (ApiError 400)."""
         self._check_alive()
@@ -311,7 +325,8 @@ class TokenizerManager:
         return GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=sampling, stream=stream,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
-            top_logprobs_num=top_logprobs_num if return_logprob else 0, arrival_time=time.time())
+            top_logprobs_num=top_logprobs_num if return_logprob else 0, arrival_time=time.time(),
+            **_bootstrap_fields(bootstrap))
 
     def submit(
         self, reqs: Sequence[GenerateReq], group: Optional[str] = None, *,

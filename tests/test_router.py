@@ -1,0 +1,498 @@
+"""The PD router against mock workers (tests/mock_worker.py), all real uvicorn servers on
+127.0.0.1 in background threads; plus unit tests of the policies and the registry."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+import httpx
+import pytest
+import uvicorn
+
+from mock_worker import MockWorker, free_port
+from tidal.router.app import create_router_app
+from tidal.router.config import RouterConfig
+from tidal.router.dispatch import Dispatcher, merge_logprobs, request_text
+from tidal.router.metrics import RouterMetrics
+from tidal.router.policies import (
+    CacheAwarePolicy, PowerOfTwoPolicy, PrefixIndex, RandomPolicy, RoundRobinPolicy, make_policy,
+)
+from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry
+
+pytestmark = pytest.mark.timeout(60)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BOOT = ("bootstrap_host", "bootstrap_port", "bootstrap_room")
+
+
+class RouterServer:
+    def __init__(self, **kwargs: Any) -> None:
+        kwargs.setdefault("health_check_interval_s", 60.0)
+        kwargs.setdefault("health_check_timeout_s", 1.0)
+        kwargs.setdefault("retry_initial_backoff_s", 0.01)
+        self.cfg = RouterConfig(host="127.0.0.1", port=free_port(), **kwargs)
+        self.url = f"http://127.0.0.1:{self.cfg.port}"
+        self.app = create_router_app(self.cfg)
+        self.state = self.app.state.router
+        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.cfg.port, log_level="error",
+                                timeout_graceful_shutdown=1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+
+    def __enter__(self) -> "RouterServer":
+        self.thread.start()
+        wait_for(lambda: self.server.started, 10, "router start")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+
+    def post(self, path: str, body: Any) -> httpx.Response:
+        return httpx.post(self.url + path, json=body, timeout=10)
+
+    def worker(self, url: str) -> Worker:
+        return self.state.registry.get(url)
+
+
+def wait_for(cond: Callable[[], Any], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        if time.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def mocks():
+    ws = {"p1": MockWorker("prefill", "p1"), "p2": MockWorker("prefill", "p2"),
+          "d1": MockWorker("decode", "d1"), "d2": MockWorker("decode", "d2"), "n1": MockWorker("null", "n1")}
+    try:
+        yield {name: w.start() for name, w in ws.items()}
+    finally:
+        for w in ws.values():
+            w.stop()
+
+
+@pytest.fixture
+def m(mocks):
+    for w in mocks.values():
+        w.reset()
+    return mocks
+
+
+def pd(m: dict, prefill=("p1",), decode=("d1",), **kw: Any) -> RouterServer:
+    return RouterServer(prefill=[(m[p].url, 8998) for p in prefill], decode=[m[d].url for d in decode], **kw)
+
+
+# ---------------------------------------------------------------- PD dual dispatch
+
+
+def test_dual_dispatch_injects_same_room(m):
+    with pd(m, prefill_policy="random", decode_policy="random") as r:
+        body = {"text": "hello", "sampling_params": {"max_new_tokens": 3}, "custom": 1}
+        resp = r.post("/generate", body)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text"] == "d1 says hi"
+        (pp, pb), = m["p1"].requests
+        (dp, db), = m["d1"].requests
+        assert pp == dp == "/generate" and pb == db
+        assert pb["bootstrap_host"] == "127.0.0.1" and pb["bootstrap_port"] == 8998
+        assert isinstance(pb["bootstrap_room"], int) and 0 <= pb["bootstrap_room"] <= 2**63 - 1
+        assert {k: pb[k] for k in body} == body  # everything else untouched
+        resp2 = r.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})
+        assert resp2.status_code == 200
+        assert m["p1"].requests[1][1]["bootstrap_room"] == m["d1"].requests[1][1]["bootstrap_room"]
+        assert m["p1"].requests[1][1]["bootstrap_room"] != pb["bootstrap_room"]
+
+
+def test_batch_gets_one_room_per_item(m):
+    with pd(m) as r:
+        for body in ({"text": ["a", "b", "c"]}, {"input_ids": [[1, 2], [3], [4, 5]]}):
+            resp = r.post("/generate", body)
+            assert resp.status_code == 200 and len(resp.json()) == 3
+            pb, db = m["p1"].generate_requests()[-1], m["d1"].generate_requests()[-1]
+            assert pb["bootstrap_room"] == db["bootstrap_room"]
+            assert len(set(pb["bootstrap_room"])) == 3
+            assert pb["bootstrap_host"] == ["127.0.0.1"] * 3 and pb["bootstrap_port"] == [8998] * 3
+            assert [x["meta_info"]["room"] for x in resp.json()] == db["bootstrap_room"]
+
+
+def test_streaming_is_relayed_byte_for_byte(m):
+    m["d1"].chunk_delay_s = 0.01
+    with pd(m) as r:
+        for path, body in (("/generate", {"text": "hi", "stream": True}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True})):
+            with httpx.stream("POST", r.url + path, json=body, timeout=10) as resp:
+                assert resp.status_code == 200
+                assert resp.headers["content-type"].startswith("text/event-stream")
+                got = b"".join(resp.iter_raw())
+            sent = m["d1"].requests[-1][1]
+            assert got == b"".join(m["d1"].stream_bytes(path, sent))
+            assert m["p1"].requests[-1][1]["bootstrap_room"] == sent["bootstrap_room"]
+
+
+def test_logprobs_merged_from_prefill(m):
+    with pd(m) as r:
+        out = r.post("/generate", {"text": "hi", "return_logprob": True, "logprob_start_len": 0}).json()
+        meta = out["meta_info"]
+        assert meta["input_token_logprobs"] == [[None, 11, None], [-0.5, 12, None], [-0.25, 13, None]]
+        assert meta["input_top_logprobs"][1] == [[-0.5, 12, None]]
+        assert meta["worker"] == "d1" and meta["output_token_logprobs"] == [[-0.1, 7, None]]
+        outs = r.post("/generate", {"text": ["a", "b"], "return_logprob": [True, False]}).json()
+        assert len(outs[0]["meta_info"]["input_token_logprobs"]) == 3
+        assert "input_token_logprobs" not in outs[1]["meta_info"]
+        plain = r.post("/generate", {"text": "hi"}).json()
+        assert "input_token_logprobs" not in plain["meta_info"]
+    d = {"meta_info": {"input_token_logprobs": [[-1.0, 5, None]]}}  # decode's own ones follow prefill's
+    assert merge_logprobs(d, {"meta_info": {"input_token_logprobs": [[None, 4, None]]}})
+    assert d["meta_info"]["input_token_logprobs"] == [[None, 4, None], [-1.0, 5, None]]
+
+
+# ---------------------------------------------------------------- retries and errors
+
+
+def test_retry_with_new_pair_after_503(m):
+    m["p1"].fail_next = m["p2"].fail_next = 1
+    with pd(m, prefill=("p1", "p2"), decode=("d1", "d2"), policy="random") as r:
+        resp = r.post("/generate", {"text": "retry me"})
+        assert resp.status_code == 200, resp.text
+        prefill_reqs = m["p1"].requests + m["p2"].requests
+        assert len(prefill_reqs) == 3  # both failed once (a new prefill was preferred), then success
+        rooms = [b["bootstrap_room"] for _, b in prefill_reqs]
+        assert m["p1"].requests and m["p2"].requests and len(set(rooms)) == 3
+        assert resp.json()["meta_info"]["room"] in rooms
+        metrics = httpx.get(r.url + "/metrics").text
+        assert 'tidal_router:retries_total{role="prefill"' in metrics
+    for w in m.values():
+        w.reset()
+    m["d1"].fail_next = 1
+    with pd(m) as r:
+        resp = r.post("/generate", {"text": "decode fails once"})
+        assert resp.status_code == 200
+        assert len(m["d1"].requests) == 2 and len(m["p1"].requests) == 2
+        assert m["d1"].requests[0][1]["bootstrap_room"] != m["d1"].requests[1][1]["bootstrap_room"]
+
+
+def test_retries_exhausted_passes_last_error(m):
+    m["d1"].fail_next = 10
+    with pd(m, max_retries=2) as r:
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 503
+        assert "d1 overloaded" in resp.json()["error"]["message"]
+        assert len(m["d1"].requests) == 3
+
+
+def test_400_is_not_retried(m):
+    m["d1"].reject = True
+    with pd(m) as r:
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 400
+        assert resp.json()["error"]["message"] == "bad request from mock"
+        assert len(m["d1"].requests) == 1
+    m["d1"].reject, m["p1"].reject = False, True
+    with pd(m) as r:
+        resp = r.post("/v1/completions", {"prompt": "x"})
+        assert resp.status_code == 400
+        assert [path for path, _ in m["p1"].requests].count("/v1/completions") == 1
+
+
+def test_timeout_gives_504(m):
+    m["d1"].hang_s = 5
+    with pd(m, request_timeout_s=0.5) as r:
+        t0 = time.time()
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 504 and time.time() - t0 < 3
+        assert len(m["d1"].requests) == 1  # timeouts are not retried
+
+
+def test_client_disconnect_cancels_non_streaming(m):
+    m["d1"].hang_s = 5
+    with pd(m) as r:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(r.url + "/generate", json={"text": "x"}, timeout=0.3)
+        d1 = r.worker(m["d1"].url)
+        wait_for(lambda: d1.in_flight == 0, 2, "upstream calls cancelled")
+        metrics = httpx.get(r.url + "/metrics").text
+        assert 'tidal_router:requests_total{route="/generate",status="499"} 1.0' in metrics
+
+
+def test_malformed_json_is_400(m):
+    with pd(m) as r:
+        for raw in (b"{not json", b"[1, 2]", b""):
+            resp = httpx.post(r.url + "/generate", content=raw, timeout=5)
+            assert resp.status_code == 400
+            assert resp.json()["error"]["message"]
+        assert not m["d1"].requests
+
+
+def test_connection_errors_retry_and_mark_unhealthy(m):
+    dead = MockWorker("decode", "dead").start()
+    with RouterServer(prefill=[(m["p1"].url, 8998)], decode=[dead.url, m["d1"].url], decode_policy="round_robin",
+                      health_failure_threshold=2) as r:
+        dead.stop()  # healthy at the router's start, gone now
+        assert r.worker(dead.url).healthy
+        for _ in range(4):
+            assert r.post("/generate", {"text": "x"}).status_code == 200
+        w = r.worker(dead.url)
+        assert not w.healthy and w.in_flight == 0
+        workers = httpx.get(r.url + "/workers").json()["workers"]
+        assert {x["url"]: x["healthy"] for x in workers}[dead.url] is False
+
+
+def test_client_disconnect_cancels_upstream(m):
+    m["d1"].num_chunks, m["d1"].chunk_delay_s = 200, 0.02
+    with pd(m) as r:
+        with httpx.stream("POST", r.url + "/generate", json={"text": "x", "stream": True}, timeout=10) as resp:
+            next(resp.iter_raw())
+        wait_for(lambda: m["d1"].cancelled >= 1, 5, "decode stream cancelled")
+        wait_for(lambda: r.worker(m["d1"].url).in_flight == 0 and r.worker(m["p1"].url).in_flight == 0)
+
+
+# ---------------------------------------------------------------- health, fallback, admin
+
+
+def test_unhealthy_worker_skipped_then_recovers(m):
+    with pd(m, decode=("d1", "d2"), policy="round_robin", health_check_interval_s=0.1,
+            health_failure_threshold=1) as r:
+        m["d2"].healthy = False
+        wait_for(lambda: not r.worker(m["d2"].url).healthy, 5, "d2 unhealthy")
+        for _ in range(4):
+            assert r.post("/generate", {"text": "x"}).status_code == 200
+        assert len(m["d1"].requests) == 4 and not m["d2"].requests
+        m["d2"].healthy = True
+        wait_for(lambda: r.worker(m["d2"].url).healthy, 5, "d2 healthy again")
+        for _ in range(4):
+            r.post("/generate", {"text": "x"})
+        assert m["d2"].requests
+
+
+def test_fallback_to_whole_request_workers(m):
+    m["p1"].healthy = False
+    with RouterServer(prefill=[(m["p1"].url, 8998)], decode=[m["d1"].url], workers=[m["n1"].url]) as r:
+        assert httpx.get(r.url + "/health").status_code == 200
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.json()["text"] == "n1 says hi"
+        assert not any(k in m["n1"].requests[0][1] for k in BOOT)
+        assert not m["p1"].requests and not m["d1"].requests
+    with pd(m) as r:  # no null worker: the decode worker prefills locally
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.json()["text"] == "d1 says hi"
+        assert not any(k in m["d1"].requests[0][1] for k in BOOT)
+    with pd(m, enforce_disaggregation=True) as r:
+        assert httpx.get(r.url + "/health").status_code == 503
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 503 and "enforced" in resp.json()["error"]["message"]
+
+
+def test_null_workers_only_plain_proxy(m):
+    with RouterServer(workers=[m["n1"].url]) as r:
+        body = {"model": "mock", "prompt": "hi", "stream": True}
+        with httpx.stream("POST", r.url + "/v1/completions", json=body, timeout=10) as resp:
+            got = b"".join(resp.iter_raw())
+        assert got == b"".join(m["n1"].stream_bytes("/v1/completions", body))
+        assert m["n1"].requests[0][1] == body
+
+
+def test_add_remove_workers_and_health(m):
+    with RouterServer() as r:
+        assert httpx.get(r.url + "/health").status_code == 503
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 503 and resp.json()["error"]["message"]
+        add = lambda q: httpx.post(r.url + "/add_worker", params=q, timeout=5)  # noqa: E731
+        assert add({"url": m["p1"].url, "role": "prefill", "bootstrap_port": "9100"}).status_code == 200
+        assert httpx.get(r.url + "/health").status_code == 503  # a prefill alone is no path
+        assert add({"url": m["d1"].url, "role": "decode"}).status_code == 200
+        assert httpx.get(r.url + "/health").status_code == 200
+        assert add({"url": m["d1"].url, "role": "decode"}).status_code == 409
+        assert add({"url": m["d2"].url, "role": "bogus"}).status_code == 400
+        assert add({"url": m["d2"].url, "role": "decode", "bootstrap_port": "x"}).status_code == 400
+        assert r.post("/generate", {"text": "x"}).status_code == 200
+        assert m["d1"].requests[0][1]["bootstrap_port"] == 9100
+        roles = {w["url"]: (w["role"], w["healthy"]) for w in httpx.get(r.url + "/workers").json()["workers"]}
+        assert roles == {m["p1"].url: ("prefill", True), m["d1"].url: ("decode", True)}
+        assert httpx.post(r.url + "/remove_worker", params={"url": m["p1"].url}).status_code == 200
+        assert httpx.post(r.url + "/remove_worker", params={"url": m["p1"].url}).status_code == 404
+        assert r.post("/generate", {"text": "y"}).json()["text"] == "d1 says hi"  # decode alone: local prefill
+        assert len(m["p1"].requests) == 1
+
+
+def test_passthrough_routes(m):
+    m["d1"].load = {"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 40}
+    m["p1"].load = {"num_reqs": 2, "num_waiting_reqs": 0, "num_tokens": 10}
+    with pd(m) as r:
+        assert httpx.get(r.url + "/v1/models").json()["data"][0]["id"] == "mock-model"
+        info = httpx.get(r.url + "/get_server_info").json()
+        assert info["role"] == "router"
+        assert {w["server_info"]["name"] for w in info["workers"]} == {"p1", "d1"}
+        load = httpx.get(r.url + "/get_load").json()
+        assert load[0]["num_reqs"] == 5 and load[0]["num_tokens"] == 50 and len(load[0]["workers"]) == 2
+        flush = httpx.post(r.url + "/flush_cache").json()
+        assert flush["success"] and m["p1"].flushes == 1 and m["d1"].flushes == 1
+        assert httpx.get(r.url + "/health_generate").status_code == 200
+        r.post("/generate", {"text": "x"})
+        text = httpx.get(r.url + "/metrics").text
+        assert f'tidal_router:worker_requests_total{{role="decode",worker="{m["d1"].url}"}} 1.0' in text
+        assert 'tidal_router:requests_total{route="/generate",status="200"} 1.0' in text
+
+
+def test_cli_subprocess(m):
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "tidal.router", "--prefill", m["p1"].url, "none", "--decode", m["d1"].url,
+           "--port", str(port), "--policy", "round_robin", "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            try:
+                return httpx.get(url + "/health", timeout=1).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_for(up, 30, "router subprocess")
+        resp = httpx.post(url + "/generate", json={"text": "x"}, timeout=10)
+        assert resp.status_code == 200
+        assert m["d1"].requests[0][1]["bootstrap_port"] is None
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+    bad = subprocess.run([sys.executable, "-m", "tidal.router", "--prefill", "http://x:1", "1", "2"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--prefill" in bad.stderr
+
+
+# ---------------------------------------------------------------- policies (unit)
+
+
+def workers(*loads: int) -> list[Worker]:
+    return [Worker(url=f"http://w{i}:1", mode=DECODE, healthy=True, in_flight=n) for i, n in enumerate(loads)]
+
+
+def test_random_and_round_robin():
+    ws = workers(0, 0, 0)
+    rnd = RandomPolicy(seed=1)
+    assert {rnd.select(ws).url for _ in range(50)} == {w.url for w in ws}
+    rr = RoundRobinPolicy()
+    assert [rr.select(ws).url for _ in range(6)] == [w.url for w in ws] * 2
+
+
+def test_power_of_two_prefers_lower_load():
+    ws = workers(5, 1)
+    p2 = PowerOfTwoPolicy(seed=0)
+    assert all(p2.select(ws).url == ws[1].url for _ in range(20))
+    ws[0].load = {"num_reqs": 0}
+    ws[0].in_flight, ws[1].load = 0, {"num_reqs": 9}  # cached /get_load counts too
+    assert p2.select(ws).url == ws[0].url
+    many = workers(9, 9, 0, 9)
+    picks = [p2.select(many).url for _ in range(200)]
+    assert picks.count(many[2].url) > 70  # chosen whenever sampled (about half the time)
+
+
+def test_cache_aware_affinity_and_balance():
+    ca = CacheAwarePolicy(cache_threshold=0.5, balance_abs_threshold=4, balance_rel_threshold=1.5, block_chars=4)
+    ws = workers(0, 0, 0)
+    prompts = [f"system prompt {k} " * 4 for k in range(3)]
+    first = [ca.select(ws, t).url for t in prompts]
+    assert len(set(first)) == 3  # new prefixes spread over the pool
+    for t, url in zip(prompts, first):
+        assert ca.select(ws, t + " and a follow-up question").url == url  # shared prefix: same worker
+    assert ca.select(ws, "completely different text here").url in {w.url for w in ws}
+    target = next(w for w in ws if w.url == first[0])
+    target.in_flight = 10  # imbalanced: max - min > 4 and max > 1.5 * min
+    assert ca.select(ws, prompts[0] + "more").url != target.url
+    target.in_flight = 0
+    owner = next(w for w in ws if w.url == first[1])
+    owner.in_flight = 3  # balanced enough: affinity wins even though it is the busiest
+    assert ca.select(ws, prompts[1] + "more").url == owner.url
+
+
+def test_cache_aware_threshold_and_forget():
+    ca = CacheAwarePolicy(cache_threshold=0.9, block_chars=4)
+    ws = workers(0, 0)
+    url = ca.select(ws, "abcdefgh").url
+    other = next(w.url for w in ws if w.url != url)
+    assert ca.select(ws, "abcdefgh" + "x" * 40).url == other  # match 8/48 < 0.9: least cached wins
+    ca.forget(url)
+    assert url not in ca.index.sizes
+    assert ca.index.match("abcdefgh", {url}) == (set(), 0)
+
+
+def test_prefix_index_is_bounded():
+    idx = PrefixIndex(block_chars=2, max_entries=10)
+    for k in range(50):
+        idx.insert(f"{k:04d}-text", "http://a:1")
+    assert len(idx) == 10 and idx.sizes["http://a:1"] == 10
+    owners, n = idx.match("0049-text", {"http://a:1"})
+    assert owners == {"http://a:1"} and n == 9
+    assert make_policy("power_of_two").name == "power_of_two"
+    with pytest.raises(ValueError):
+        make_policy("bucket")
+
+
+# ---------------------------------------------------------------- registry and planning (unit)
+
+
+def test_registry_pools_follow_worker_state():
+    reg = WorkerRegistry(failure_threshold=2)
+    p = reg.add("http://h1:1/", PREFILL, 9000, healthy=True)
+    d = reg.add("http://h2:1", DECODE, healthy=True)
+    assert p.url == "http://h1:1" and p.bootstrap_port == 9000 and p.host == "h1"
+    assert reg.has_pd_path() and reg.pool(PREFILL) == [p]
+    with pytest.raises(KeyError):
+        reg.add("http://h1:1", DECODE)
+    with pytest.raises(ValueError):
+        reg.add("h3:1", DECODE)
+    assert reg.set_mode(p.url, DECODE, epoch=3)
+    assert reg.pool(PREFILL) == [] and reg.pool(DECODE) == [p, d]
+    assert not reg.set_mode(p.url, PREFILL, epoch=2)  # stale epoch ignored
+    assert reg.set_mode(p.url, PREFILL, epoch=4, bootstrap_port=9100) and p.bootstrap_port == 9100
+    assert not reg.record_failure(d, "x") and d.healthy
+    assert reg.record_failure(d, "y") and not d.healthy
+    assert not reg.has_pd_path() and not reg.has_usable_path(True) and not reg.has_usable_path(False)
+    reg.record_success(d)
+    assert d.healthy and d.failures == 0
+    seen = []
+    reg.on_remove(seen.append)
+    assert reg.remove(d.url) is d and seen == [d.url] and reg.remove(d.url) is None
+
+
+def test_plan_chooses_between_pd_and_whole():
+    cfg = RouterConfig()
+    reg = WorkerRegistry()
+    p = reg.add("http://p:1", PREFILL, healthy=True)
+    d = reg.add("http://d:1", DECODE, healthy=True)
+    n = reg.add("http://n:1", NULL, healthy=True)
+    pol = {PREFILL: RoundRobinPolicy(), DECODE: RoundRobinPolicy(), NULL: RoundRobinPolicy()}
+    disp = Dispatcher(cfg, reg, pol, None, RouterMetrics())
+    assert disp.plan("", set()) == ("whole", n, None)  # tie: the whole path (no transfer)
+    n.in_flight = 2
+    assert disp.plan("", set()) == ("pd", p, d)
+    cfg.enforce_disaggregation = True
+    n.in_flight = 0
+    assert disp.plan("", set()) == ("pd", p, d)
+    d.healthy = False
+    assert disp.plan("", set()) is None
+    cfg.enforce_disaggregation = False
+    assert disp.plan("", set()) == ("whole", n, None)
+    n.healthy = False
+    assert disp.plan("", set()) is None  # a prefill alone cannot serve
+
+
+def test_request_text():
+    assert request_text("/generate", {"text": ["a", "b"]}) == "a"
+    assert request_text("/generate", {"input_ids": [1, 2, 3]}) == "1,2,3"
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
+    assert request_text("/v1/chat/completions", chat) == "user\nhi\n"
+    assert request_text("/v1/completions", {"prompt": "p"}) == "p" and request_text("/v1/completions", {}) == ""

@@ -1,0 +1,312 @@
+"""The router's FastAPI app: generation routes, pass-through info routes, admin routes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import time
+from typing import Any, AsyncIterator, Optional
+
+import aiohttp
+import msgspec
+from fastapi import FastAPI, Request
+from starlette.responses import Response
+
+import tidal
+from tidal.router.config import RouterConfig
+from tidal.router.dispatch import Dispatcher
+from tidal.router.legs import json_error
+from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
+from tidal.router.policies import Policy, make_policy
+from tidal.router.workers import (
+    DECODE, DEFAULT_BOOTSTRAP_PORT, MODES, NULL, PREFILL, HealthChecker, Worker, WorkerRegistry,
+    parse_bootstrap_port,
+)
+
+logger = logging.getLogger(__name__)
+
+GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
+
+
+def _json(obj: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
+
+
+@dataclasses.dataclass
+class RouterState:
+    cfg: RouterConfig
+    registry: WorkerRegistry
+    policies: dict[str, Policy]
+    metrics: RouterMetrics
+    session: Optional[aiohttp.ClientSession] = None
+    checker: Optional[HealthChecker] = None
+    dispatcher: Optional[Dispatcher] = None
+    started_at: float = dataclasses.field(default_factory=time.time)
+
+    def admin_headers(self) -> dict:
+        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+
+def build_state(cfg: RouterConfig) -> RouterState:
+    registry = WorkerRegistry(cfg.health_failure_threshold)
+    for url, port in cfg.prefill:
+        registry.add(url, PREFILL, port)
+    for url in cfg.decode:
+        registry.add(url, DECODE)
+    for url in cfg.workers:
+        registry.add(url, NULL)
+    knobs = dict(cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
+                 balance_rel_threshold=cfg.balance_rel_threshold, max_tree_size=cfg.max_tree_size)
+    policies = {PREFILL: make_policy(cfg.prefill_policy or cfg.policy, **knobs),
+                DECODE: make_policy(cfg.decode_policy or cfg.policy, **knobs),
+                NULL: make_policy(cfg.policy, **knobs)}
+    registry.on_remove(lambda url: [p.forget(url) for p in policies.values()])
+    return RouterState(cfg, registry, policies, RouterMetrics())
+
+
+def _st(request: Request) -> RouterState:
+    return request.app.state.router
+
+
+@contextlib.asynccontextmanager
+async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
+    st: RouterState = app.state.router
+    cfg = st.cfg
+    # keepalive below uvicorn's 5 s, so that the router never reuses a connection the worker is closing
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=3.0)
+    st.session = aiohttp.ClientSession(
+        connector=connector, trust_env=False, auto_decompress=False,
+        timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s))
+    st.checker = HealthChecker(st.registry, st.session, cfg.health_check_interval_s, cfg.health_check_timeout_s,
+                               st.admin_headers())
+    st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics)
+    await st.checker.check_all()
+    st.checker.start()
+    try:
+        yield
+    finally:
+        await st.checker.stop()
+        await st.dispatcher.aclose()
+        await st.session.close()
+
+
+def create_router_app(cfg: RouterConfig, state: Optional[RouterState] = None) -> FastAPI:
+    app = FastAPI(title="tidal router", version=tidal.__version__, lifespan=_lifespan)
+    app.state.router = state or build_state(cfg)
+
+    @app.exception_handler(Exception)
+    async def _internal(_req: Request, e: Exception) -> Response:
+        logger.exception("internal error")
+        return json_error(f"internal error: {type(e).__name__}: {e}", 500)
+
+    for route in GENERATE_ROUTES:
+        app.add_api_route(route, _make_generate(route), methods=["POST"])
+    _add_info_routes(app)
+    _add_admin_routes(app)
+    return app
+
+
+# ---------------------------------------------------------------- generation
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def parse_object(raw: bytes) -> dict:
+    """The request body as a JSON object; ValueError with a client-facing message otherwise."""
+    if not raw.strip():
+        raise ValueError("request body is empty; expected a JSON object")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ValueError(f"malformed JSON: {e}") from None
+    if not isinstance(body, dict):
+        raise ValueError("the request body must be a JSON object")
+    return body
+
+
+def _make_generate(route: str) -> Any:
+    async def generate(request: Request) -> Response:
+        st = _st(request)
+        try:
+            body = parse_object(await request.body())
+        except ValueError as e:
+            st.metrics.requests.labels(route, "400").inc()
+            return json_error(str(e), 400)
+        work = asyncio.ensure_future(st.dispatcher.dispatch(route, body, request.headers.get("authorization")))
+        gone = asyncio.ensure_future(_wait_disconnect(request))
+        done: set = set()
+        try:
+            done, _ = await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (work, gone):
+                if not t.done():
+                    t.cancel()
+            await asyncio.gather(gone, return_exceptions=True)
+        if work not in done:  # the client left: cancelling `work` cancels the upstream calls
+            await asyncio.gather(work, return_exceptions=True)
+            st.metrics.requests.labels(route, "499").inc()
+            return Response(status_code=499)
+        return work.result()
+
+    generate.__name__ = "route_" + route.strip("/").replace("/", "_")
+    return generate
+
+
+# ---------------------------------------------------------------- info
+
+
+async def _get_json(st: RouterState, w: Worker, path: str,
+                    timeout: Optional[aiohttp.ClientTimeout] = None) -> tuple[int, Any]:
+    try:
+        async with st.session.get(w.url + path, timeout=timeout or st.checker.timeout,
+                                  headers=st.admin_headers()) as r:
+            raw = await r.read()
+            return r.status, (msgspec.json.decode(raw) if raw else None)
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as e:
+        return 0, {"error": f"{type(e).__name__}: {e}"}
+
+
+def _first_healthy(st: RouterState) -> Optional[Worker]:
+    for mode in (DECODE, NULL, PREFILL):
+        pool = st.registry.pool(mode)
+        if pool:
+            return pool[0]
+    return None
+
+
+async def _forward_get(st: RouterState, path: str) -> Response:
+    w = _first_healthy(st)
+    if w is None:
+        return json_error("no healthy worker available", 503)
+    status, body = await _get_json(st, w, path)
+    return _json(body, status) if status else json_error(f"worker {w.url}: {body['error']}", 502)
+
+
+def _router_info(st: RouterState) -> dict:
+    cfg = st.cfg
+    return {"version": tidal.__version__, "role": "router", "started_at": st.started_at,
+            "policy": cfg.policy, "prefill_policy": cfg.prefill_policy or cfg.policy,
+            "decode_policy": cfg.decode_policy or cfg.policy, "enforce_disaggregation": cfg.enforce_disaggregation,
+            "max_retries": cfg.max_retries, "request_timeout_secs": cfg.request_timeout_s,
+            "health_check_interval_secs": cfg.health_check_interval_s}
+
+
+def _add_info_routes(app: FastAPI) -> None:
+    async def server_info(request: Request) -> Response:
+        st = _st(request)
+        workers = st.registry.all()
+        infos = await asyncio.gather(*(_get_json(st, w, "/server_info") for w in workers))
+        out = _router_info(st)
+        out["workers"] = [{**w.to_dict(), "server_info": body if status == 200 else None}
+                          for w, (status, body) in zip(workers, infos)]
+        return _json(out)
+
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, server_info, methods=["GET"])
+    for path in ("/v1/models", "/model_info", "/get_model_info"):
+        app.add_api_route(path, _forwarder(path), methods=["GET"])
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        st = _st(request)
+        if st.registry.has_usable_path(st.cfg.enforce_disaggregation):
+            return Response(status_code=200)
+        return json_error("no usable prefill/decode pair or whole-request worker", 503)
+
+    @app.get("/health_generate")
+    async def health_generate(request: Request) -> Response:
+        st = _st(request)
+        healthy = [w for w in st.registry.all() if w.healthy]
+        timeout = aiohttp.ClientTimeout(total=HEALTH_GENERATE_TIMEOUT_S)
+        results = await asyncio.gather(*(_get_json(st, w, "/health_generate", timeout) for w in healthy))
+        passed = {w.mode for w, (status, _) in zip(healthy, results) if status == 200}
+        ok = {PREFILL, DECODE} <= passed or (not st.cfg.enforce_disaggregation and
+                                            (NULL in passed or (DECODE in passed and not st.registry.pool(PREFILL))))
+        return Response(status_code=200) if ok else json_error("no usable path passed /health_generate", 503)
+
+
+def _forwarder(path: str) -> Any:
+    async def forward(request: Request) -> Response:
+        return await _forward_get(_st(request), path)
+
+    forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
+    return forward
+
+
+# ---------------------------------------------------------------- admin
+
+
+async def _post_all(st: RouterState, path: str) -> list[dict]:
+    async def one(w: Worker) -> dict:
+        try:
+            async with st.session.post(w.url + path, timeout=st.checker.timeout, headers=st.admin_headers()) as r:
+                await r.read()
+                return {"url": w.url, "role": w.mode, "status": r.status, "success": r.status == 200}
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return {"url": w.url, "role": w.mode, "status": None, "success": False, "error": str(e)}
+
+    return list(await asyncio.gather(*(one(w) for w in st.registry.all())))
+
+
+def _add_admin_routes(app: FastAPI) -> None:
+    @app.get("/workers")
+    async def workers(request: Request) -> Response:
+        return _json({"workers": [w.to_dict() for w in _st(request).registry.all()]})
+
+    @app.post("/add_worker")
+    async def add_worker(request: Request, url: str = "", role: str = NULL,
+                         bootstrap_port: str = "") -> Response:
+        st = _st(request)
+        if not url:
+            return json_error("the url query parameter is required", 400)
+        if role not in MODES:
+            return json_error(f"invalid role {role!r}: expected one of {', '.join(MODES)}", 400)
+        try:
+            port = parse_bootstrap_port(bootstrap_port) if bootstrap_port else DEFAULT_BOOTSTRAP_PORT
+            w = st.registry.add(url, role, port)
+        except KeyError as e:
+            return json_error(str(e.args[0]), 409)
+        except ValueError as e:
+            return json_error(str(e), 400)
+        await st.checker.check(w)
+        logger.info("added %s worker %s (healthy=%s)", role, w.url, w.healthy)
+        return _json({"success": True, "worker": w.to_dict()})
+
+    @app.post("/remove_worker")
+    async def remove_worker(request: Request, url: str = "") -> Response:
+        w = _st(request).registry.remove(url) if url else None
+        if w is None:
+            return json_error(f"no worker {url!r}", 404)
+        logger.info("removed %s worker %s", w.mode, w.url)
+        return _json({"success": True, "worker": w.to_dict()})
+
+    @app.get("/get_load")
+    async def get_load(request: Request) -> Response:
+        st = _st(request)
+        healthy = [w for w in st.registry.all() if w.healthy]
+        await asyncio.gather(*(st.checker.refresh_load(w) for w in healthy))
+        total = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        for w in healthy:
+            for k, v in (w.load or {}).items():
+                total[k] += v
+        total["workers"] = [{"url": w.url, "role": w.mode, "in_flight": w.in_flight, "load": w.load}
+                            for w in healthy]
+        return _json([total])
+
+    async def flush_cache(request: Request) -> Response:
+        results = await _post_all(_st(request), "/flush_cache")
+        ok = all(r["success"] for r in results)
+        return _json({"success": ok, "workers": results}, 200 if ok else 500)
+
+    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        st = _st(request)
+        return Response(st.metrics.render(st.registry), media_type=CONTENT_TYPE)

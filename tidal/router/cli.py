@@ -1,0 +1,102 @@
+"""`tidal router` flags (SGLang router shapes) and the entry point."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Optional
+
+from tidal.router.config import RouterConfig
+from tidal.router.policies import POLICIES
+from tidal.router.workers import DEFAULT_BOOTSTRAP_PORT, normalize_url, parse_bootstrap_port
+
+logger = logging.getLogger(__name__)
+
+
+def add_router_args(parser: argparse.ArgumentParser) -> None:
+    d = RouterConfig()
+    w = parser.add_argument_group("workers")
+    w.add_argument("--prefill", action="append", nargs="+", default=[], metavar=("URL", "BOOTSTRAP_PORT"),
+                   help=f"a prefill worker, optionally followed by its bootstrap port or 'none' "
+                        f"(default {DEFAULT_BOOTSTRAP_PORT}); repeat for more")
+    w.add_argument("--decode", action="extend", nargs="+", default=[], metavar="URL",
+                   help="a decode worker; repeat for more")
+    w.add_argument("--worker", "--worker-urls", dest="worker", action="extend", nargs="+", default=[],
+                   metavar="URL", help="a null-role worker that takes whole requests; repeat for more")
+    w.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang compatibility (implied)")
+    w.add_argument("--enforce-disaggregation", action="store_true",
+                   help="never send whole requests to a single worker: 503 when no prefill/decode pair is healthy")
+    p = parser.add_argument_group("policies")
+    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="default: --policy")
+    p.add_argument("--decode-policy", choices=POLICIES, default=None, help="default: --policy")
+    p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                   help="cache_aware: minimum matched prefix fraction for affinity")
+    p.add_argument("--balance-abs-threshold", type=float, default=d.balance_abs_threshold,
+                   help="cache_aware: load difference above which the least-loaded worker wins")
+    p.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                   help="cache_aware: load ratio above which the least-loaded worker wins")
+    p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                   help="cache_aware: prefix entries kept per pool (LRU)")
+    s = parser.add_argument_group("server")
+    s.add_argument("--host", default=d.host)
+    s.add_argument("--port", type=int, default=d.port)
+    s.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_s)
+    s.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_s)
+    s.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
+                   help="consecutive failed checks or connection errors that make a worker unhealthy")
+    s.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_s)
+    s.add_argument("--max-retries", type=int, default=d.max_retries)
+    s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000)
+    s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000)
+    s.add_argument("--api-key", default=None, help="sent to the workers as a Bearer token")
+    s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
+
+
+def _prefill_entries(values: list[list[str]]) -> list[tuple[str, Optional[int]]]:
+    out = []
+    for v in values:
+        if len(v) > 2:
+            raise ValueError(f"--prefill takes a URL and an optional bootstrap port, got {' '.join(v)}")
+        port = parse_bootstrap_port(v[1]) if len(v) == 2 else DEFAULT_BOOTSTRAP_PORT
+        out.append((normalize_url(v[0]), port))
+    return out
+
+
+def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        prefill=_prefill_entries(ns.prefill), decode=[normalize_url(u) for u in ns.decode],
+        workers=[normalize_url(u) for u in ns.worker], policy=ns.policy, prefill_policy=ns.prefill_policy,
+        decode_policy=ns.decode_policy, host=ns.host, port=ns.port,
+        health_check_interval_s=ns.health_check_interval_secs, health_check_timeout_s=ns.health_check_timeout_secs,
+        health_failure_threshold=ns.health_failure_threshold, request_timeout_s=ns.request_timeout_secs,
+        max_retries=ns.max_retries, retry_initial_backoff_s=ns.retry_initial_backoff_ms / 1000,
+        retry_max_backoff_s=ns.retry_max_backoff_ms / 1000, enforce_disaggregation=ns.enforce_disaggregation,
+        cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
+        balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
+        log_level=ns.log_level)
+
+
+def run_router(ns: argparse.Namespace) -> int:
+    import uvicorn
+
+    from tidal.router.app import create_router_app
+
+    try:
+        cfg = router_config_from_namespace(ns)
+    except ValueError as e:
+        print(f"tidal router: error: {e}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not (cfg.prefill or cfg.decode or cfg.workers):
+        logger.warning("no workers given: add them with POST /add_worker")
+    app = create_router_app(cfg)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="tidal router", description="PD-aware router for tidal/SGLang workers")
+    add_router_args(parser)
+    return run_router(parser.parse_args(argv))

@@ -1,0 +1,40 @@
+"""The router's settings (filled from `tidal router` flags by tidal/router/cli.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+
+@dataclasses.dataclass
+class RouterConfig:
+    prefill: list[tuple[str, Optional[int]]] = dataclasses.field(default_factory=list)  # (url, bootstrap port)
+    decode: list[str] = dataclasses.field(default_factory=list)
+    workers: list[str] = dataclasses.field(default_factory=list)  # null role: whole requests
+    policy: str = "cache_aware"
+    prefill_policy: Optional[str] = None
+    decode_policy: Optional[str] = None
+    host: str = "127.0.0.1"
+    port: int = 8000
+    health_check_interval_s: float = 5.0
+    health_check_timeout_s: float = 5.0
+    health_failure_threshold: int = 2
+    request_timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    max_retries: int = 3
+    retry_initial_backoff_s: float = 0.05
+    retry_max_backoff_s: float = 1.0
+    enforce_disaggregation: bool = False
+    cache_threshold: float = 0.5
+    balance_abs_threshold: float = 32
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 1 << 17
+    prefill_wait_s: float = 30.0  # how long a finished decode waits for prefill's answer
+    api_key: Optional[str] = None  # sent to workers as a Bearer token
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if self.max_retries < 0:
+            raise ValueError("--max-retries must be >= 0")
+        if self.health_check_interval_s <= 0 or self.request_timeout_s <= 0:
+            raise ValueError("intervals and timeouts must be positive")

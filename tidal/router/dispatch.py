@@ -1,0 +1,307 @@
+"""Request dispatch: PD dual dispatch, whole-request proxying, retries and streaming.
+
+PD: one prefill and one decode worker are picked, the same JSON (with
+`bootstrap_host/port/room` injected) is POSTed to both at once, and the client gets
+the decode worker's answer. Nothing is sent to the client before the decode worker's
+first body bytes arrive, so until then any retryable failure of either side (408,
+429, 5xx, connection error) is retried on a new pair with a new room.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from typing import Any, Optional, Union
+
+import aiohttp
+import msgspec
+from starlette.responses import Response
+
+from tidal.router.config import RouterConfig
+from tidal.router.legs import Leg, RelayResponse, json_error
+from tidal.router.metrics import RouterMetrics
+from tidal.router.policies import Policy
+from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
+MAX_AFFINITY_CHARS = 16384
+_ROOM_RNG = random.SystemRandom()
+
+
+def new_room() -> int:
+    return _ROOM_RNG.randint(0, 2**63 - 1)
+
+
+def batch_size(route: str, body: dict) -> Optional[int]:
+    """Items in a batched /generate (`text` or `input_ids` lists), None for one prompt."""
+    if route != "/generate":
+        return None
+    text, ids = body.get("text"), body.get("input_ids")
+    if isinstance(text, list):
+        return len(text)
+    if isinstance(ids, list) and ids and isinstance(ids[0], list):
+        return len(ids)
+    return None
+
+
+def inject_bootstrap(body: dict, route: str, prefill: Worker) -> dict:
+    host, port = prefill.host, prefill.bootstrap_port
+    out = dict(body)
+    n = batch_size(route, body)
+    if n is None:
+        out.update(bootstrap_host=host, bootstrap_port=port, bootstrap_room=new_room())
+    else:
+        out.update(bootstrap_host=[host] * n, bootstrap_port=[port] * n,
+                   bootstrap_room=[new_room() for _ in range(n)])
+    return out
+
+
+def _flatten(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value:
+        if all(isinstance(x, int) for x in value):
+            return ",".join(map(str, value))
+        return _flatten(value[0])  # a batch: its first item
+    return ""
+
+
+def _chat_text(messages: Any) -> str:
+    if not isinstance(messages, list):
+        return ""
+    parts = []
+    for m in messages:
+        if not isinstance(m, dict):
+            continue
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+        parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
+    return "".join(parts)
+
+
+def request_text(route: str, body: dict) -> str:
+    """The text cache-aware routing keys on (a prefix of it)."""
+    if route == "/generate":
+        text = _flatten(body.get("text") if body.get("text") is not None else body.get("input_ids"))
+    elif route.endswith("/chat/completions"):
+        text = _chat_text(body.get("messages"))
+    else:
+        text = _flatten(body.get("prompt"))
+    return text[:MAX_AFFINITY_CHARS]
+
+
+def wants_logprobs(body: dict) -> bool:
+    v = body.get("return_logprob")
+    return any(v) if isinstance(v, list) else bool(v)
+
+
+def merge_logprobs(decode_out: Any, prefill_out: Any) -> bool:
+    """Prepend prefill's prompt logprobs to decode's meta_info (per batch item); True if any merged."""
+    if isinstance(decode_out, list) and isinstance(prefill_out, list):
+        pairs = list(zip(decode_out, prefill_out))
+    else:
+        pairs = [(decode_out, prefill_out)]
+    merged = False
+    for d, p in pairs:
+        dm = d.get("meta_info") if isinstance(d, dict) else None
+        pm = p.get("meta_info") if isinstance(p, dict) else None
+        if not isinstance(dm, dict) or not isinstance(pm, dict):
+            continue
+        for key in LOGPROB_KEYS:
+            if isinstance(pm.get(key), list):
+                own = dm.get(key)
+                dm[key] = pm[key] + (own if isinstance(own, list) else [])
+                merged = True
+    return merged
+
+
+class Failure:
+    """A failed attempt: what the client gets if it is not (or can no longer be) retried."""
+
+    def __init__(self, leg: Leg, retryable: bool, other: Optional[Leg] = None) -> None:
+        self.leg = leg
+        self.retryable = retryable
+        self.other = other  # the partner leg, when it failed too
+
+    def response(self) -> Response:
+        leg, other = self.leg, self.other
+        if other is not None and not (leg.status is not None and 400 <= leg.status < 500):
+            msg = f"{leg.describe()}; {other.describe()}"
+            return json_error(msg, leg.client_status())
+        if leg.status is not None and leg.body:
+            return Response(leg.body, status_code=leg.status,
+                            media_type=leg.headers.get("content-type", "application/json"))
+        return json_error(leg.describe(), leg.client_status())
+
+
+Outcome = Union[Response, Failure]
+
+
+class Dispatcher:
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policies: dict[str, Policy],
+                 session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.policies = policies  # per pool: PREFILL, DECODE, NULL
+        self.session = session
+        self.metrics = metrics
+        self._background: set[asyncio.Task] = set()
+
+    async def aclose(self) -> None:
+        for t in list(self._background):
+            t.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
+
+    # ------------------------------------------------------------ planning
+
+    def _pick(self, pool: list[Worker], role: str, text: str, tried: set[str]) -> Worker:
+        fresh = [w for w in pool if w.url not in tried]
+        return self.policies[role].select(fresh or pool, text)
+
+    def plan(self, text: str, tried: set[str]) -> Optional[tuple[str, Worker, Optional[Worker]]]:
+        """("pd", prefill, decode) or ("whole", worker, None); None when nothing can serve."""
+        reg = self.registry
+        prefills, decodes, nulls = reg.pool(PREFILL), reg.pool(DECODE), reg.pool(NULL)
+        if self.cfg.enforce_disaggregation:
+            nulls = []
+        pd_ok = bool(prefills and decodes)
+        if nulls and pd_ok:  # both paths: join the shorter queue, ties to the whole path (no transfer)
+            pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
+        if pd_ok:
+            return "pd", self._pick(prefills, PREFILL, text, tried), self._pick(decodes, DECODE, text, tried)
+        if nulls:
+            return "whole", self._pick(nulls, NULL, text, tried), None
+        if decodes and not prefills and not self.cfg.enforce_disaggregation:
+            return "whole", self._pick(decodes, DECODE, text, tried), None  # decode prefills locally
+        return None
+
+    def _unavailable(self) -> Response:
+        if self.cfg.enforce_disaggregation and not self.registry.has_pd_path():
+            return json_error("no healthy prefill/decode pair (disaggregation is enforced)", 503)
+        return json_error("no healthy worker available", 503)
+
+    # ------------------------------------------------------------ the retry loop
+
+    def _backoff(self, attempt: int) -> float:
+        return min(self.cfg.retry_max_backoff_s, self.cfg.retry_initial_backoff_s * 2 ** (attempt - 1))
+
+    async def dispatch(self, route: str, body: dict, auth: Optional[str] = None) -> Response:
+        stream = bool(body.get("stream"))
+        text = request_text(route, body)
+        tried: set[str] = set()
+        last: Optional[Failure] = None
+        for attempt in range(self.cfg.max_retries + 1):
+            if attempt:
+                await asyncio.sleep(self._backoff(attempt))
+            plan = self.plan(text, tried)
+            if plan is None:
+                break
+            kind, first, second = plan
+            if kind == "pd":
+                out = await self._pd_attempt(route, body, first, second, stream, auth)
+            else:
+                out = await self._whole_attempt(route, body, first, stream, auth)
+            if isinstance(out, Response):
+                self.metrics.requests.labels(route, str(out.status_code)).inc()
+                return out
+            last = out
+            tried.update(w.url for w in (first, second) if w is not None)
+            if not out.retryable or attempt == self.cfg.max_retries:
+                break
+            self.metrics.retries.labels(out.leg.worker.url, out.leg.role).inc()
+            logger.info("retrying %s after %s", route, out.leg.describe())
+        resp = last.response() if last is not None else self._unavailable()
+        self.metrics.requests.labels(route, str(resp.status_code)).inc()
+        return resp
+
+    # ------------------------------------------------------------ one attempt
+
+    def _headers(self, auth: Optional[str]) -> dict:
+        h = {"content-type": "application/json", "accept-encoding": "identity"}
+        token = f"Bearer {self.cfg.api_key}" if self.cfg.api_key else auth
+        if token:
+            h["authorization"] = token
+        return h
+
+    def _leg(self, worker: Worker, role: str, route: str, data: bytes, auth: Optional[str]) -> Leg:
+        return Leg(worker, role, self.session, self.registry, self.metrics, worker.url + route,
+                   data, self._headers(auth), self.cfg.request_timeout_s)
+
+    async def _whole_attempt(self, route: str, body: dict, w: Worker, stream: bool,
+                             auth: Optional[str]) -> Outcome:
+        leg = self._leg(w, w.mode, route, msgspec.json.encode(body), auth)
+        await leg.run(stream)
+        if leg.ok:
+            return RelayResponse(leg, None, self._after_stream) if stream else leg.passthrough()
+        return Failure(leg, leg.retryable)
+
+    async def _pd_attempt(self, route: str, body: dict, p: Worker, d: Worker, stream: bool,
+                          auth: Optional[str]) -> Outcome:
+        data = msgspec.json.encode(inject_bootstrap(body, route, p))
+        p_leg = self._leg(p, PREFILL, route, data, auth)
+        d_leg = self._leg(d, DECODE, route, data, auth)
+        p_task = asyncio.ensure_future(p_leg.run(False))
+        d_task = asyncio.ensure_future(d_leg.run(stream))
+        handed_off = False
+        try:
+            await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
+            if p_task.done() and not d_task.done() and not p_leg.ok:
+                return Failure(p_leg, p_leg.retryable)  # decode cannot finish without its KV
+            await d_task
+            if not d_leg.ok:
+                if p_task.done() and not p_leg.ok:  # the root cause: decode had no KV to wait for
+                    return Failure(p_leg, p_leg.retryable, d_leg)
+                return Failure(d_leg, d_leg.retryable)
+            handed_off = True
+            if stream:
+                return RelayResponse(d_leg, p_task, self._after_stream)
+            return await self._decode_answer(body, d_leg, p_leg, p_task)
+        finally:
+            if not handed_off:
+                await _cancel(p_task, d_task)
+
+    async def _decode_answer(self, body: dict, d_leg: Leg, p_leg: Leg, p_task: asyncio.Task) -> Response:
+        if not wants_logprobs(body):
+            self._finish_in_background(p_task)
+            return d_leg.passthrough()
+        await asyncio.wait({p_task}, timeout=self.cfg.prefill_wait_s)
+        if not p_task.done():
+            await _cancel(p_task)
+        if p_leg.ok:
+            try:
+                out = msgspec.json.decode(d_leg.body)
+                if merge_logprobs(out, msgspec.json.decode(p_leg.body)):
+                    return Response(msgspec.json.encode(out), status_code=d_leg.status,
+                                    media_type="application/json")
+            except msgspec.DecodeError:
+                logger.warning("could not merge logprobs: a worker's answer is not JSON")
+        return d_leg.passthrough()
+
+    def _finish_in_background(self, task: Optional[asyncio.Task]) -> None:
+        if task is None or task.done():
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+        loop = asyncio.get_running_loop()
+        loop.call_later(self.cfg.prefill_wait_s, task.cancel)
+
+    async def _after_stream(self, prefill_task: Optional[asyncio.Task], completed: bool) -> None:
+        """A relayed stream ended: let prefill finish (bounded) or, if the client left, cancel it."""
+        if prefill_task is None:
+            return
+        if completed:
+            self._finish_in_background(prefill_task)
+        else:
+            await _cancel(prefill_task)
+
+
+async def _cancel(*tasks: asyncio.Task) -> None:
+    pending = [t for t in tasks if not t.done()]
+    for t in pending:
+        t.cancel()
+    if pending:
+        await asyncio.gather(*pending, return_exceptions=True)

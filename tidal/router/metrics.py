@@ -1,0 +1,33 @@
+"""Prometheus metrics of the router (`tidal_router:` prefix), one registry per router."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from tidal.router.workers import WorkerRegistry
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        wl = ["worker", "role"]
+        self.requests = Counter("tidal_router:requests", "Client requests by route and outcome",
+                                ["route", "status"], registry=r)
+        self.worker_requests = Counter("tidal_router:worker_requests", "Requests sent to a worker", wl, registry=r)
+        self.worker_failures = Counter("tidal_router:worker_failures",
+                                       "Requests to a worker that failed (5xx, 408, 429, connection, timeout)",
+                                       wl, registry=r)
+        self.retries = Counter("tidal_router:retries", "Retries caused by a worker's failure", wl, registry=r)
+        self.healthy = Gauge("tidal_router:worker_healthy", "1 if the worker passed its last checks", wl, registry=r)
+        self.in_flight = Gauge("tidal_router:worker_in_flight", "Requests the router has open on the worker",
+                               wl, registry=r)
+
+    def render(self, workers: WorkerRegistry) -> bytes:
+        self.healthy.clear()
+        self.in_flight.clear()
+        for w in workers.all():
+            self.healthy.labels(w.url, w.mode).set(1.0 if w.healthy else 0.0)
+            self.in_flight.labels(w.url, w.mode).set(w.in_flight)
+        return generate_latest(self.registry)
