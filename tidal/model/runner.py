@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import uuid
 
 import torch
 
@@ -74,9 +75,13 @@ class ModelRunner:
             args.model_path, self.dtype, self.device, self.attn_backend, args.context_length)
         self.max_total_tokens = self._pool_size()
         cfg = self.model_config
+        # the shm transfer backend writes into a decode pool in shared memory; any role may
+        # become decode at runtime, so the pool is shared whenever that backend is chosen
+        shm = args.disaggregation_transfer_backend == "shm" and self.device.type == "cpu"
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, self.page_size, self.dtype,
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device)
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device,
+            shm_name=f"tidal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else None)
         logger.info("model %s: %s on %s, KV pool %d tokens", args.model_path, self.dtype,
                     self.device, self.max_total_tokens)
 

@@ -45,3 +45,9 @@ class NullRole:
 
     def is_idle(self) -> bool:
         return True
+
+    def queue_sizes(self) -> dict:
+        return {}
+
+    def shutdown(self) -> None:
+        return None

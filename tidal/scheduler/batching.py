@@ -135,7 +135,8 @@ class BatchPlanner:
         else:
             self.process_decode_result(batch, result)
 
-    def process_extend_result(self, batch: ScheduleBatch, result) -> None:
+    def process_extend_result(self, batch: ScheduleBatch, result, on_prefilled=None, on_chunk=None) -> None:
+        """Apply a prefill pass. Roles hook in where a chunk or a whole prefill completes."""
         s = self.s
         logits, out = result
         next_ids = out.next_token_ids.tolist()
@@ -146,21 +147,28 @@ class BatchPlanner:
                 s.mem.cache_unfinished(req)
                 if req.to_abort:
                     self._finish_abort_chunked(req)
+                elif on_chunk is not None:
+                    on_chunk(req)
                 continue
             req.is_chunked = 0
             if not req.first_prefill_done:
                 req.first_prefill_done = True
                 s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
-            self._append_token(req, next_ids[i], out, i)
-            if req.finished:
-                s.mem.release(req)
-            else:
-                s.mem.cache_unfinished(req)
-                s.running.append(req)
-            s.emit(req)
+            self.append_token(req, next_ids[i], out, i)
+            (on_prefilled or self.start_decoding)(req)
+
+    def start_decoding(self, req: Req) -> None:
+        """Colocated: a prefilled request joins the running batch (or ends right away)."""
+        s = self.s
+        if req.finished:
+            s.mem.release(req)
+        else:
+            s.mem.cache_unfinished(req)
+            s.running.append(req)
+        s.emit(req)
 
     def _finish_abort_chunked(self, req: Req) -> None:
-        self.chunked_req = None
+        self.chunked_req = None if self.chunked_req is req else self.chunked_req
         req.is_chunked = 0
         req.finish(FinishReason(type="abort", message=req.to_abort))
         self.s.mem.release(req)
@@ -171,13 +179,13 @@ class BatchPlanner:
         _, out = result
         next_ids = out.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
-            self._append_token(req, next_ids[i], out, i)
+            self.append_token(req, next_ids[i], out, i)
             if req.finished:
                 s.mem.release(req)
             s.emit(req)
         s.running = [r for r in s.running if not r.finished]
 
-    def _append_token(self, req: Req, token: int, out, row: int) -> None:
+    def append_token(self, req: Req, token: int, out, row: int) -> None:
         req.output_ids.append(token)
         if req.return_logprob and out.next_token_logprobs is not None:
             req.output_logprobs.append((float(out.next_token_logprobs[row]), token))

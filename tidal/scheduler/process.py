@@ -55,7 +55,10 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str) -> N
         logger.exception("scheduler crashed")
         send.send(encode(SchedulerError(message=f"scheduler crashed: {type(e).__name__}: {e}")))
         send.close(linger=2000)
+        sched.shutdown()
         os._exit(1)
+    finally:  # SIGTERM arrives as SystemExit: release sockets, threads, shared memory
+        sched.shutdown()
 
 
 def build_scheduler(args: ServerArgs):

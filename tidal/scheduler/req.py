@@ -31,6 +31,10 @@ class Req:
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
         self.arrival_time = msg.arrival_time
+        self.bootstrap_host = msg.bootstrap_host
+        self.bootstrap_port = msg.bootstrap_port
+        self.bootstrap_room = msg.bootstrap_room
+        self.pd: Any = None  # PDState while a prefill/decode role transfers this request's KV
 
         self.output_ids: list[int] = []
         # tokens whose KV this prefill round makes resident (prompt, or prompt+output after retraction)

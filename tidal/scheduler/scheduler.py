@@ -44,7 +44,8 @@ class Scheduler:
         self.mem = KVMemory(
             max_total_tokens=runner.max_total_tokens,
             page_size=args.page_size,
-            max_reqs=args.max_running_requests + 8,
+            # a second set of rows for decode's pre-allocated (transferring) requests
+            max_reqs=2 * args.max_running_requests + 8,
             max_context_len=self.context_length + args.page_size + 8,
             disable_radix_cache=args.disable_radix_cache,
             device=runner.device,
@@ -59,9 +60,9 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.outbox: list[ReqOutput] = []
         self.replies: list[ToApi] = []
-        from tidal.roles.null import NullRole
+        from tidal.roles import create_role
 
-        self.role = NullRole(self)
+        self.role = create_role(args.disaggregation_mode, self)
 
     # ------------------------------------------------------------------ inputs
 
@@ -169,6 +170,12 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return not self.waiting_queue and not self.live_reqs() and self.role.is_idle()
+
+    def shutdown(self) -> None:
+        self.role.shutdown()
+        pool = getattr(self.runner, "kv_pool", None)
+        if pool is not None and hasattr(pool, "close"):
+            pool.close()
 
     def check_integrity(self) -> None:
         self.mem.check_integrity(self.live_reqs())

@@ -1,0 +1,151 @@
+"""Prefill and decode roles in one process, over real KV transfer, on the KV-reading fake model.
+
+The fake model predicts from the KV it reads, so a decode server that got wrong or
+missing KV pages produces different tokens than the colocated reference.
+"""
+
+from __future__ import annotations
+
+import random
+import socket
+import time
+
+import pytest
+
+from fakes import FakeModelRunner, reference_generate
+from tidal.config import ServerArgs
+from tidal.kvcache.kv_pool import MHATokenToKVPool
+from tidal.messages import AbortReq, GenerateReq
+from tidal.sampling_params import SamplingParams
+from tidal.scheduler.scheduler import Scheduler
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def make(mode: str, backend: str, port: int, page_size: int, chunk: int = 16, tokens: int = 4096) -> Scheduler:
+    args = ServerArgs(model_path="fake", page_size=page_size, disaggregation_mode=mode,
+                      disaggregation_transfer_backend=backend, disaggregation_bootstrap_port=port,
+                      chunked_prefill_size=chunk, disable_radix_cache=(mode == "decode"),
+                      num_reserved_decode_tokens=16)
+    runner = FakeModelRunner(max_total_tokens=tokens, page_size=page_size)
+    if backend == "shm":
+        runner.kv_pool = MHATokenToKVPool(tokens, page_size, runner.dtype, 1, 1, 1,
+                                          shm_name=f"tidal-test-{port}-{mode}-{random.randrange(1 << 30)}")
+    return Scheduler(args, runner, tokenizer=None)
+
+
+@pytest.fixture
+def pd_pair(request):
+    backend, page_size = request.param
+    port = free_port()
+    p = make("prefill", backend, port, page_size)
+    d = make("decode", backend, port, page_size)
+    yield p, d, port
+    d.shutdown()
+    p.shutdown()
+
+
+def send(p: Scheduler, d: Scheduler, port: int, rid: str, prompt: list[int], n: int, room: int, **kw) -> None:
+    sp = SamplingParams(max_new_tokens=n, temperature=0.0)
+    fields = dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=room)
+    p.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=sp, **fields, **kw))
+    d.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=n, temperature=0.0),
+                         **fields, **kw))
+
+
+def run_pair(p: Scheduler, d: Scheduler, timeout: float = 60.0) -> tuple[dict, dict]:
+    outs: tuple[dict, dict] = ({}, {})
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        busy = False
+        for sched, out in ((p, outs[0]), (d, outs[1])):
+            busy |= sched.step()
+            sched.check_integrity()
+            for o in sched.take_outbox():
+                toks, _ = out.get(o.rid, ([], None))
+                out[o.rid] = (toks + o.new_token_ids, o.finish_reason or out.get(o.rid, (None, None))[1])
+        if not busy and p.is_idle() and d.is_idle():
+            return outs
+        if not busy:
+            time.sleep(0.002)
+    raise AssertionError(f"PD pair did not finish: prefill {p.role.queue_sizes()} decode {d.role.queue_sizes()}")
+
+
+PARAMS = [("tcp", 1), ("tcp", 16), ("shm", 1), ("shm", 4)]
+
+
+@pytest.mark.parametrize("pd_pair", PARAMS, indirect=True, ids=[f"{b}-ps{ps}" for b, ps in PARAMS])
+def test_pd_outputs_equal_colocated_reference(pd_pair):
+    p, d, port = pd_pair
+    rng = random.Random(0)
+    prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 70))] for _ in range(8)]
+    for i, prompt in enumerate(prompts):
+        send(p, d, port, f"r{i}", prompt, 12, room=rng.randrange(2**63))
+    pout, dout = run_pair(p, d)
+    for i, prompt in enumerate(prompts):
+        toks, fin = dout[f"r{i}"]
+        assert toks == reference_generate(prompt, 12), f"r{i}"
+        assert fin.type == "length"
+        assert pout[f"r{i}"][0] == reference_generate(prompt, 1)
+    assert p.mem.tree_cache.total_size() > 0  # prefill keeps prefixes in its radix cache
+    stats = d.role.transfer.stats()
+    assert stats["succeeded"] >= len(prompts)
+
+
+@pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
+def test_prefill_rejects_requests_without_bootstrap(pd_pair):
+    p, d, port = pd_pair
+    p.handle(GenerateReq(rid="x", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4)))
+    (out,) = p.take_outbox()
+    assert out.finish_reason.type == "abort" and out.finish_reason.status_code == 400
+
+
+@pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
+def test_decode_prefills_locally_without_bootstrap(pd_pair):
+    p, d, port = pd_pair
+    d.handle(GenerateReq(rid="local", input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=6, temperature=0)))
+    _, dout = run_pair(p, d)
+    assert dout["local"][0] == reference_generate([5, 6, 7], 6)
+
+
+@pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
+def test_abort_on_decode_frees_both_sides(pd_pair):
+    p, d, port = pd_pair
+    send(p, d, port, "a", list(range(1, 40)), 50, room=123)
+    send(p, d, port, "b", list(range(2, 30)), 5, room=456)
+    for _ in range(3):
+        p.step()
+        d.step()
+    d.handle(AbortReq(rid="a"))
+    pout, dout = run_pair(p, d)
+    assert dout["a"][1].type == "abort"
+    assert dout["b"][0] == reference_generate(list(range(2, 30)), 5)
+    assert p.is_idle() and d.is_idle()
+
+
+@pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
+def test_decode_without_prefill_partner_times_out_cleanly(pd_pair, monkeypatch):
+    p, d, port = pd_pair
+    monkeypatch.setenv("TIDAL_DISAGG_BOOTSTRAP_TIMEOUT", "1")
+    dead_port = free_port()
+    d2 = make("decode", "tcp", port, 1)
+    try:
+        d2.handle(GenerateReq(rid="lonely", input_ids=[1, 2], sampling=SamplingParams(max_new_tokens=3),
+                              bootstrap_host="127.0.0.1", bootstrap_port=dead_port, bootstrap_room=7))
+        deadline = time.time() + 30
+        outs = []
+        while time.time() < deadline and not outs:
+            d2.step()
+            outs = d2.take_outbox()
+            time.sleep(0.01)
+        assert outs and outs[0].finish_reason.type == "abort"
+        assert outs[0].finish_reason.message
+        d2.check_integrity()
+    finally:
+        d2.shutdown()
