@@ -5,14 +5,13 @@ from __future__ import annotations
 import concurrent.futures as cf
 import json
 import os
-import signal
-import socket
 import subprocess
-import sys
 import time
 
 import httpx
 import pytest
+
+from servers import Server
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -22,47 +21,6 @@ PROMPTS = [
     "Once upon a time, in a small village,",
     "List three colors:",
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, *extra: str):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "tidal.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--max-total-tokens", "8192", "--dtype", "float32", *extra]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                     start_new_session=True)
-        self._wait_ready()
-
-    def _wait_ready(self, timeout: float = 300) -> None:
-        deadline = time.time() + timeout
-        while time.time() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited: {self.proc.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        self.stop()
-        raise TimeoutError("server did not become ready")
-
-    def stop(self) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(10)
-        return self.proc.returncode
 
 
 @pytest.fixture(scope="module")

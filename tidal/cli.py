@@ -1,4 +1,4 @@
-"""The `tidal` command: serve, bench, router."""
+"""The `tidal` command: serve, router, cluster, bench."""
 
 from __future__ import annotations
 
@@ -21,6 +21,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.router.cli import add_router_args
 
     add_router_args(router)
+    cluster = sub.add_parser("cluster", help="prefill + decode servers and a router on this machine")
+    from tidal.cluster import add_cluster_args
+
+    add_cluster_args(cluster)
     return parser
 
 
@@ -35,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.router.cli import run_router
 
         return run_router(args)
+    if args.command == "cluster":
+        from tidal.cluster import run_cluster
+
+        return run_cluster(args)
     if args.command == "bench":
         from tidal.bench import run_bench
 

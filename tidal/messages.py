@@ -119,6 +119,16 @@ class StatsResp(_Msg):
     max_decode_batch_size: int
     total_prompt_tokens: int
     total_cached_tokens: int
+    disaggregation_mode: str = "null"
+    epoch: int = 0
+    queue_sizes: dict[str, int] = {}
+    # KV transfer (prefill/decode roles): counters and a latency histogram {le: count}
+    transfer_bytes: int = 0
+    transfer_succeeded: int = 0
+    failed_bootstraps: int = 0
+    failed_transfers: int = 0
+    transfer_latency_histogram: dict[str, int] = {}
+    transfer_latency_sum: float = 0.0
 
 
 class SchedulerError(_Msg):

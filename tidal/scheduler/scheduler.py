@@ -215,4 +215,22 @@ class Scheduler:
             max_decode_batch_size=s.max_decode_batch_size,
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
+            disaggregation_mode=self.role.name,
+            queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
+                         **self.role.queue_sizes()},
+            **self._transfer_stats(),
         )
+
+    def _transfer_stats(self) -> dict:
+        transfer = getattr(self.role, "transfer", None)
+        if transfer is None:
+            return {}
+        t = transfer.stats()
+        return {
+            "transfer_bytes": t["transferred_bytes"],
+            "transfer_succeeded": t["succeeded"],
+            "failed_bootstraps": t["failed_bootstraps"],
+            "failed_transfers": t["failed_transfers"],
+            "transfer_latency_histogram": t["latency_histogram"],
+            "transfer_latency_sum": float(sum(t["latencies_s"])),
+        }

@@ -237,7 +237,9 @@ def _add_info_routes(app: FastAPI) -> None:
         info["api_key"] = "<set>" if ctx.args.api_key else None
         stats = await _try_stats(ctx.tm) if ctx.tm.alive else None
         info.update({
-            "version": tidal.__version__, "disaggregation_mode": "null", "epoch": 0,
+            "version": tidal.__version__,
+            "disaggregation_mode": stats.disaggregation_mode if stats else ctx.args.disaggregation_mode,
+            "epoch": stats.epoch if stats else 0,
             "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
             "internal_states": [_struct_dict(stats)] if stats is not None else [],
         })

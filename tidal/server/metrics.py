@@ -6,9 +6,10 @@ scheduler gauges are filled from a StatsResp just before each scrape.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Iterator, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import HistogramMetricFamily
 
 from tidal.messages import StatsResp
 
@@ -53,6 +54,15 @@ class Metrics:
                              buckets=_E2E_BUCKETS, registry=r)
         self.gauges = {name: Gauge(f"tidal:{name}", f"Scheduler {field}", labels, registry=r)
                        for name, field in _GAUGES.items()}
+        pd_labels = ["queue", "model_name"]
+        self.queue_sizes = Gauge("tidal:queue_size", "Requests per scheduler queue (waiting, running, "
+                                 "bootstrap, inflight, prealloc, transfer)", pd_labels, registry=r)
+        self.transfer_bytes = Gauge("tidal:kv_transfer_bytes", "KV bytes transferred by this role", labels, registry=r)
+        self.failed_bootstraps = Gauge("tidal:kv_failed_bootstraps", "KV transfer bootstraps that failed",
+                                       labels, registry=r)
+        self.failed_transfers = Gauge("tidal:kv_failed_transfers", "KV transfers that failed", labels, registry=r)
+        self._transfer_latency: tuple[dict, float] = ({}, 0.0)
+        r.register(self)
         for m in (self.requests, self.aborted, self.prompt_tokens, self.generation_tokens, self.cached_tokens,
                   self.ttft, self.itl, self.e2e):
             m.labels(**self._labels)  # export zeros before the first request
@@ -84,6 +94,30 @@ class Metrics:
             return
         for name, field in _GAUGES.items():
             self.gauges[name].labels(**self._labels).set(float(getattr(stats, field)))
+        self._set_pd_stats(stats)
+
+    def _set_pd_stats(self, stats: StatsResp) -> None:
+        lab = self._labels
+        for queue, size in stats.queue_sizes.items():
+            self.queue_sizes.labels(queue=queue, **lab).set(size)
+        self.transfer_bytes.labels(**lab).set(stats.transfer_bytes)
+        self.failed_bootstraps.labels(**lab).set(stats.failed_bootstraps)
+        self.failed_transfers.labels(**lab).set(stats.failed_transfers)
+        self._transfer_latency = (stats.transfer_latency_histogram, stats.transfer_latency_sum)
+
+    def collect(self) -> Iterator[HistogramMetricFamily]:
+        """The KV transfer latency histogram, as the scheduler last reported it."""
+        hist, total = self._transfer_latency
+        fam = HistogramMetricFamily("tidal:kv_transfer_latency_seconds",
+                                    "KV transfer latency (init to success)", labels=["model_name"])
+        running, buckets = 0, []
+        for le, count in hist.items():
+            running += count
+            buckets.append((le, running))
+        if not buckets or buckets[-1][0] != "+Inf":
+            buckets.append(("+Inf", running))
+        fam.add_metric([self._labels["model_name"]], buckets, total)
+        yield fam
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,57 @@
+"""Real tidal processes for end-to-end tests: started as a user would, stopped by PID."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from typing import Optional
+
+import httpx
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, *extra: str, cmd: Optional[list[str]] = None, env: Optional[dict] = None,
+                 port: Optional[int] = None):
+        self.port = port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        if cmd is None:
+            cmd = [sys.executable, "-m", "tidal.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--max-total-tokens", "8192", "--dtype", "float32", *extra]
+        self.log = open(f"/tmp/tidal-test-{self.port}.log", "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
+                                     start_new_session=True, env={**os.environ, **(env or {})})
+        self._wait_ready()
+
+    def _wait_ready(self, timeout: float = 300) -> None:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {open(self.log.name).read()[-4000:]}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise TimeoutError("server did not become ready")
+
+    def stop(self) -> int:
+        self.log.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        return self.proc.returncode

@@ -1,0 +1,154 @@
+"""`tidal cluster`: prefill, decode (and null) servers plus the router on one machine.
+
+Every server is a child process; Ctrl-C / SIGTERM stops them all, and the death of
+any one stops the rest, so nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import httpx
+
+READY_TIMEOUT_S = 900.0
+STOP_TIMEOUT_S = 15.0
+
+
+def add_cluster_args(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--prefill", type=int, default=1, help="number of prefill servers")
+    a("--decode", type=int, default=1, help="number of decode servers")
+    a("--worker", type=int, default=0, help="number of null-role (colocated) servers")
+    a("--model-path", default=None)
+    a("--host", default="127.0.0.1")
+    a("--port", type=int, default=8000, help="router port")
+    a("--base-port", type=int, default=30000, help="first server port")
+    a("--bootstrap-base-port", type=int, default=8998, help="first prefill bootstrap port")
+    a("--disaggregation-transfer-backend", default="shm", help="fake | shm | tcp | mooncake | nixl")
+    a("--policy", default="cache_aware")
+    a("--torch-threads", type=int, default=None, help="per server (default: cores / servers)")
+    a("--server-args", default="", help="extra flags for every server, as one quoted string")
+
+
+@dataclass
+class Child:
+    name: str
+    proc: subprocess.Popen
+    url: Optional[str] = None
+
+
+def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Optional[int], threads: int) -> list[str]:
+    cmd = [sys.executable, "-m", "tidal.launch_server", "--host", ns.host, "--port", str(port),
+           "--disaggregation-mode", mode, "--disaggregation-transfer-backend", ns.disaggregation_transfer_backend,
+           "--torch-threads", str(threads)]
+    if ns.model_path:
+        cmd += ["--model-path", ns.model_path]
+    if bootstrap_port is not None:
+        cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    return cmd + shlex.split(ns.server_args)
+
+
+def plan_servers(ns: argparse.Namespace) -> list[tuple[str, str, int, Optional[int]]]:
+    """(name, mode, port, bootstrap_port) of every server."""
+    plan, port = [], ns.base_port
+    for i in range(ns.prefill):
+        plan.append((f"prefill-{i}", "prefill", port, ns.bootstrap_base_port + i))
+        port += 1
+    for i in range(ns.decode):
+        plan.append((f"decode-{i}", "decode", port, None))
+        port += 1
+    for i in range(ns.worker):
+        plan.append((f"worker-{i}", "null", port, None))
+        port += 1
+    return plan
+
+
+def _router_cmd(ns: argparse.Namespace, plan: list) -> list[str]:
+    cmd = [sys.executable, "-m", "tidal.router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy]
+    for _, mode, port, bport in plan:
+        url = f"http://{ns.host}:{port}"
+        if mode == "prefill":
+            cmd += ["--prefill", url, str(bport)]
+        elif mode == "decode":
+            cmd += ["--decode", url]
+        else:
+            cmd += ["--worker", url]
+    return cmd
+
+
+def _wait_healthy(children: list[Child], deadline: float, stop: dict) -> None:
+    pending = [c for c in children if c.url]
+    while pending:
+        if stop["signal"]:
+            raise RuntimeError("interrupted while starting")
+        for c in list(pending):
+            if c.proc.poll() is not None:
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode} while starting")
+            try:
+                if httpx.get(c.url + "/health", timeout=2).status_code == 200:
+                    pending.remove(c)
+                    print(f"[cluster] {c.name} ready at {c.url}", flush=True)
+            except httpx.HTTPError:
+                pass
+        if time.time() > deadline:
+            raise TimeoutError(f"not ready in time: {[c.name for c in pending]}")
+        time.sleep(0.5)
+
+
+def stop_all(children: list[Child]) -> None:
+    for c in reversed(children):
+        if c.proc.poll() is None:
+            c.proc.send_signal(signal.SIGTERM)
+    deadline = time.time() + STOP_TIMEOUT_S
+    for c in reversed(children):
+        try:
+            c.proc.wait(max(deadline - time.time(), 0.1))
+        except subprocess.TimeoutExpired:
+            c.proc.kill()
+            c.proc.wait()
+
+
+def run_cluster(ns: argparse.Namespace) -> int:
+    plan = plan_servers(ns)
+    if not any(m == "null" for _, m, _, _ in plan) and (ns.prefill < 1 or ns.decode < 1):
+        print("[cluster] needs at least one prefill and one decode server (or --worker)", file=sys.stderr)
+        return 2
+    threads = ns.torch_threads or max(1, (os.cpu_count() or 1) // len(plan))
+    children: list[Child] = []
+    stop = {"signal": False}
+
+    def on_signal(*_):
+        stop["signal"] = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        for name, mode, port, bport in plan:
+            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads))
+            children.append(Child(name, proc, f"http://{ns.host}:{port}"))
+        _wait_healthy(children, time.time() + READY_TIMEOUT_S, stop)
+        router = Child("router", subprocess.Popen(_router_cmd(ns, plan)), f"http://{ns.host}:{ns.port}")
+        children.append(router)
+        _wait_healthy([router], time.time() + 60, stop)
+        print(f"[cluster] router ready at {router.url} ({ns.prefill} prefill, {ns.decode} decode, "
+              f"{ns.worker} null); Ctrl-C stops everything", flush=True)
+        while not stop["signal"]:
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                print(f"[cluster] {dead[0].name} exited ({dead[0].proc.returncode}); stopping", file=sys.stderr)
+                return 1
+            time.sleep(0.5)
+        return 0
+    except (RuntimeError, TimeoutError) as e:
+        print(f"[cluster] {e}", file=sys.stderr)
+        return 1
+    finally:
+        stop_all(children)
