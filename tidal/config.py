@@ -60,6 +60,9 @@ class ServerArgs:
     disaggregation_bootstrap_port: int = 8998
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_polling_interval: int = 1
+    enable_dynamic_disaggregation: bool = False
+    keep_role_components: bool = False
+    admin_api_key: Optional[str] = None
     # runtime
     random_seed: int = 0
     torch_threads: Optional[int] = None
@@ -126,6 +129,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port)
     a("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens)
     a("--disaggregation-decode-polling-interval", type=int, default=d.disaggregation_decode_polling_interval)
+    a("--enable-dynamic-disaggregation", action="store_true",
+      help="allow switching the role (null/prefill/decode) at runtime through the admin API")
+    a("--keep-role-components", action="store_true",
+      help="keep a role's components (transfer threads, sockets, buffers) after leaving it")
+    a("--admin-api-key", default=None, help="Bearer key the admin endpoints require")
     a("--random-seed", type=int, default=d.random_seed)
     a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
     a("--stream-interval", type=int, default=d.stream_interval)

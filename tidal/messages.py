@@ -33,6 +33,9 @@ class GenerateReq(_Msg):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # set by tidal's router (X-Tidal-Expected-Mode): refuse with 409 if this server is elsewhere
+    expected_mode: Optional[str] = None
+    expected_epoch: Optional[int] = None
 
 
 class AbortReq(_Msg):
@@ -48,7 +51,24 @@ class StatsReq(_Msg):
     call_id: int
 
 
-ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq]
+class SwitchModeReq(_Msg):
+    call_id: int
+    mode: str
+    drain: bool = False
+    timeout_s: float = 30.0
+    flush_cache: bool = True
+
+
+class PrepareModeReq(_Msg):
+    call_id: int
+    mode: str
+
+
+class ModeStatusReq(_Msg):
+    call_id: int
+
+
+ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq, SwitchModeReq, PrepareModeReq, ModeStatusReq]
 
 
 # ---------------------------------------------------------------- scheduler -> API
@@ -131,11 +151,34 @@ class StatsResp(_Msg):
     transfer_latency_sum: float = 0.0
 
 
+class SwitchModeResp(_Msg):
+    call_id: int
+    status_code: int
+    status: str
+    message: str
+    current_mode: str
+    epoch: int
+    timings_ms: dict[str, float] = {}
+
+
+class ModeStatusResp(_Msg):
+    call_id: int
+    current_mode: str
+    transition_state: str
+    target_mode: Optional[str]
+    epoch: int
+    last_error: Optional[str]
+    initialized_roles: list[str]
+    queue_sizes: dict[str, int]
+    last_switch_timings_ms: dict[str, float]
+    enabled: bool
+
+
 class SchedulerError(_Msg):
     message: str
 
 
-ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, SchedulerError]
+ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, SchedulerError, SwitchModeResp, ModeStatusResp]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

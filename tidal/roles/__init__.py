@@ -8,8 +8,12 @@ if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
 
 
-def create_role(mode: str, sched: "Scheduler"):
-    """Build a role's components (imported lazily: only a PD role needs the transfer layer)."""
+def create_role(mode: str, sched: "Scheduler", activate: bool = True):
+    """Build a role's components (imported lazily: only a PD role needs the transfer layer).
+
+    An inactive role holds its components but serves no one (a prefill role's bootstrap
+    server is down); `activate()` makes it reachable.
+    """
     if mode == "null":
         from tidal.roles.null import NullRole
 
@@ -17,9 +21,18 @@ def create_role(mode: str, sched: "Scheduler"):
     if mode == "prefill":
         from tidal.roles.prefill import PrefillRole
 
-        return PrefillRole(sched)
-    if mode == "decode":
+        role = PrefillRole(sched)
+    elif mode == "decode":
         from tidal.roles.decode import DecodeRole
 
-        return DecodeRole(sched)
+        role = DecodeRole(sched)
+    else:
+        raise ValueError(f"unknown role {mode!r}")
+    if activate:
+        try:
+            role.activate()
+        except BaseException:
+            role.shutdown()
+            raise
+    return role
     raise ValueError(f"unknown role {mode!r}")

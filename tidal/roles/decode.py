@@ -168,5 +168,11 @@ class DecodeRole:
     def queue_sizes(self) -> dict:
         return {"prealloc": len(self.prealloc_queue), "transfer": len(self.transfer_queue)}
 
+    def activate(self) -> None:
+        return None
+
+    def deactivate(self) -> None:
+        return None
+
     def shutdown(self) -> None:
         self.transfer.shutdown()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
+from tidal.messages import FinishReason
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
@@ -18,6 +19,12 @@ class NullRole:
         self.s = sched
 
     def accept(self, req: Req) -> None:
+        if req.bootstrap_room is not None:
+            # a prefill/decode pairing sent here would leave its partner waiting for KV
+            req.finish(FinishReason(type="abort", status_code=503,
+                                    message="this server is in null mode, not a prefill/decode partner"))
+            self.s.emit(req)
+            return
         self.s.waiting_queue.append(req)
 
     def advance_queues(self) -> None:
@@ -48,6 +55,12 @@ class NullRole:
 
     def queue_sizes(self) -> dict:
         return {}
+
+    def activate(self) -> None:
+        return None
+
+    def deactivate(self) -> None:
+        return None
 
     def shutdown(self) -> None:
         return None

@@ -53,6 +53,12 @@ class TransferComponents:
         )
         self.manager = create_kv_manager(args.disaggregation_transfer_backend, kv_args, mode, bootstrap_port)
 
+    def register(self, bootstrap_port: int) -> None:
+        """Announce this prefill rank to the (just started) bootstrap server."""
+        register = getattr(self.manager, "_register", None)  # the fake backend has no network
+        if register is not None:
+            register(bootstrap_port)
+
     def stats(self) -> dict:
         return self.manager.stats()
 

@@ -37,13 +37,10 @@ class PrefillRole:
 
         self.s = sched
         args = sched.args
-        self.bootstrap_server = BootstrapServer(args.host, args.disaggregation_bootstrap_port)
-        self.bootstrap_server.start()
-        try:
-            self.transfer = TransferComponents(sched, "prefill", args.disaggregation_bootstrap_port)
-        except BaseException:
-            self.bootstrap_server.stop()
-            raise
+        self.bootstrap_port = args.disaggregation_bootstrap_port
+        self.bootstrap_server = BootstrapServer(args.host, self.bootstrap_port)
+        self.transfer = TransferComponents(sched, "prefill", None)
+        self.active = False
         self.bootstrap_queue: list[Req] = []
         self.inflight_queue: list[Req] = []
 
@@ -51,8 +48,10 @@ class PrefillRole:
 
     def accept(self, req: Req) -> None:
         if req.bootstrap_room is None or not req.bootstrap_host:
+            # a switchable server may just have become prefill: tell the client to go elsewhere
+            code = 503 if self.s.args.enable_dynamic_disaggregation else 400
             req.finish(FinishReason(
-                type="abort", status_code=400,
+                type="abort", status_code=code,
                 message="This is a prefill server: requests need bootstrap_host and bootstrap_room "
                         "(send them through the router, e.g. `tidal router`)."))
             self.s.emit(req)
@@ -177,6 +176,23 @@ class PrefillRole:
     def queue_sizes(self) -> dict:
         return {"bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
 
+    def activate(self) -> None:
+        """Start the bootstrap server (a taken port raises) and register this rank with it."""
+        if self.active:
+            return
+        self.bootstrap_server.start()
+        try:
+            self.transfer.register(self.bootstrap_port)
+        except BaseException:
+            self.bootstrap_server.stop()
+            raise
+        self.active = True
+
+    def deactivate(self) -> None:
+        if self.active:
+            self.bootstrap_server.stop()
+            self.active = False
+
     def shutdown(self) -> None:
+        self.deactivate()
         self.transfer.shutdown()
-        self.bootstrap_server.stop()

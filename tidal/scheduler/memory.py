@@ -28,8 +28,12 @@ class KVMemory:
         # extra rows so a retracted/aborted request's slot never blocks a new one
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
         self.allocator = PagedTokenAllocator(max_total_tokens, page_size, device, debug=debug)
-        cache_cls = ChunkCache if disable_radix_cache else RadixCache
-        self.tree_cache = cache_cls(self.req_to_token_pool, self.allocator, page_size)
+        self.tree_cache = self.make_cache(radix=not disable_radix_cache)
+
+    def make_cache(self, radix: bool):
+        """A new, empty prefix cache over these pools (radix tree, or no sharing)."""
+        cache_cls = RadixCache if radix else ChunkCache
+        return cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
 
     @property
     def req_to_token(self) -> torch.Tensor:

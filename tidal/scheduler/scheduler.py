@@ -15,9 +15,12 @@ from tidal.messages import (
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
+    ModeStatusReq,
+    PrepareModeReq,
     ReqOutput,
     StatsReq,
     StatsResp,
+    SwitchModeReq,
     ToApi,
     ToScheduler,
 )
@@ -61,8 +64,10 @@ class Scheduler:
         self.outbox: list[ReqOutput] = []
         self.replies: list[ToApi] = []
         from tidal.roles import create_role
+        from tidal.roles.controller import ModeController
 
         self.role = create_role(args.disaggregation_mode, self)
+        self.controller = ModeController(self)
 
     # ------------------------------------------------------------------ inputs
 
@@ -77,15 +82,36 @@ class Scheduler:
             self.replies.append(FlushCacheResp(call_id=msg.call_id, success=ok, message=text))
         elif isinstance(msg, StatsReq):
             self.replies.append(self.make_stats(msg.call_id))
+        elif isinstance(msg, SwitchModeReq):
+            reply = self.controller.on_switch(msg)
+            if reply is not None:
+                self.replies.append(reply)
+        elif isinstance(msg, PrepareModeReq):
+            self.replies.append(self.controller.on_prepare(msg))
+        elif isinstance(msg, ModeStatusReq):
+            self.replies.append(self.controller.status(msg.call_id))
 
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg)
         error = self._validate(req)
-        if error:
-            req.finish(FinishReason(type="abort", message=error, status_code=400))
+        refusal = self._refusal(msg) if error is None else None
+        if error or refusal:
+            message, code = (error, 400) if error else refusal
+            req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
         self.role.accept(req)
+
+    def _refusal(self, msg: GenerateReq) -> Optional[tuple[str, int]]:
+        """Why this server will not take the request now (the client should go elsewhere)."""
+        if not self.controller.admitting:
+            return f"the server is draining for a switch to {self.controller.target} mode; retry elsewhere", 503
+        mode, epoch = self.role.name, self.controller.epoch
+        if msg.expected_mode is not None and msg.expected_mode != mode:
+            return f"the server is in {mode} mode (epoch {epoch}), not {msg.expected_mode}", 409
+        if msg.expected_epoch is not None and msg.expected_epoch != epoch:
+            return f"the server is at epoch {epoch} ({mode} mode), not {msg.expected_epoch}", 409
+        return None
 
     def _validate(self, req: Req) -> Optional[str]:
         n = len(req.origin_input_ids)
@@ -131,6 +157,7 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to run."""
+        self.controller.on_iteration()
         self.role.advance_queues()
         batch = self.role.next_batch()
         if batch is None:
@@ -171,7 +198,13 @@ class Scheduler:
     def is_idle(self) -> bool:
         return not self.waiting_queue and not self.live_reqs() and self.role.is_idle()
 
+    def set_cache(self, cache) -> None:
+        """Swap the prefix cache (role switches); everything that matches prefixes follows."""
+        self.mem.tree_cache = cache
+        self.planner.policy.tree_cache = cache
+
     def shutdown(self) -> None:
+        self.controller.shutdown()
         self.role.shutdown()
         pool = getattr(self.runner, "kv_pool", None)
         if pool is not None and hasattr(pool, "close"):
@@ -216,6 +249,7 @@ class Scheduler:
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
             disaggregation_mode=self.role.name,
+            epoch=self.controller.epoch,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
                          **self.role.queue_sizes()},
             **self._transfer_stats(),

@@ -1,0 +1,243 @@
+"""ModeController: switches the scheduler's role at runtime, with drain, epochs and rollback.
+
+States: IDLE -> CHECKING -> (DRAINING) -> SWITCHING -> IDLE, and SWITCHING -> ROLLBACK -> IDLE.
+A switch runs inside the scheduler loop between iterations, never beside a forward pass.
+Nothing of the old role is released until the new one is committed, so a failure at any
+step restores the snapshot exactly: the old role keeps serving, its bootstrap server and
+its prefix cache untouched.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from tidal.config import DISAGG_MODES
+from tidal.messages import ModeStatusResp, PrepareModeReq, SwitchModeReq, SwitchModeResp
+
+if TYPE_CHECKING:
+    from tidal.scheduler.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+FAULT_ENV = "TIDAL_SWITCH_FAULT"  # test hook: the step that fails (check, cache, init, bootstrap, commit)
+FAULT_STEPS = ("check", "cache", "init", "bootstrap", "commit")
+
+
+class TransitionState(str, enum.Enum):
+    IDLE = "IDLE"
+    CHECKING = "CHECKING"
+    DRAINING = "DRAINING"
+    SWITCHING = "SWITCHING"
+    ROLLBACK = "ROLLBACK"
+
+
+class SwitchFailed(Exception):
+    def __init__(self, message: str, status_code: int = 500):
+        super().__init__(message)
+        self.status_code = status_code
+
+
+@dataclass
+class PendingSwitch:
+    msg: SwitchModeReq
+    started: float
+    drain_started: float = 0.0
+    timings_ms: dict = field(default_factory=dict)
+
+
+class ModeController:
+    def __init__(self, sched: "Scheduler"):
+        self.s = sched
+        self.enabled = sched.args.enable_dynamic_disaggregation
+        self.keep_components = sched.args.keep_role_components
+        self.state = TransitionState.IDLE
+        self.epoch = 0
+        self.target: Optional[str] = None
+        self.last_error: Optional[str] = None
+        self.last_timings_ms: dict = {}
+        self.idle_roles: dict[str, Any] = {}  # initialized but inactive (pre-warmed or kept)
+        self.pending: Optional[PendingSwitch] = None
+        self.fault_step: Optional[str] = os.environ.get(FAULT_ENV) or None
+
+    @property
+    def admitting(self) -> bool:
+        return self.state != TransitionState.DRAINING
+
+    # ------------------------------------------------------------------ requests
+
+    def on_switch(self, msg: SwitchModeReq) -> Optional[SwitchModeResp]:
+        """Start a switch; the reply now, or None when it will come after draining."""
+        refusal = self._refusal(msg.mode)
+        if refusal is not None:
+            return self._reply(msg, *refusal)
+        if msg.mode == self.s.role.name:
+            return self._reply(msg, 200, f"already in {msg.mode} mode")
+        self.state, self.target = TransitionState.CHECKING, msg.mode
+        pending = PendingSwitch(msg, time.monotonic())
+        if not self.s.is_idle():
+            if not msg.drain:
+                self._to_idle()
+                return self._reply(msg, 503, f"queues not empty: {self.queue_sizes()}; retry or use drain")
+            self.state, pending.drain_started, self.pending = TransitionState.DRAINING, time.monotonic(), pending
+            logger.info("draining for a switch to %s (timeout %.1fs)", msg.mode, msg.timeout_s)
+            return None
+        return self._switch(pending)
+
+    def _refusal(self, mode: str) -> Optional[tuple[int, str]]:
+        if not self.enabled:
+            return 400, "dynamic disaggregation is disabled; start the server with --enable-dynamic-disaggregation"
+        if mode not in DISAGG_MODES:
+            return 400, f"invalid mode {mode!r}; choose from {list(DISAGG_MODES)}"
+        if self.state != TransitionState.IDLE:
+            return 409, f"a switch to {self.target} is in progress ({self.state.value})"
+        return None
+
+    def on_prepare(self, msg: PrepareModeReq) -> SwitchModeResp:
+        """Initialize a role's components now so a later switch to it is fast."""
+        refusal = self._refusal(msg.mode)
+        if refusal is not None:
+            return SwitchModeResp(call_id=msg.call_id, status_code=refusal[0], status="error", message=refusal[1],
+                                  current_mode=self.s.role.name, epoch=self.epoch)
+        if msg.mode != self.s.role.name and msg.mode not in self.idle_roles:
+            try:
+                self.idle_roles[msg.mode] = self._build_role(msg.mode, activate=False)
+            except Exception as e:
+                return SwitchModeResp(call_id=msg.call_id, status_code=500, status="error",
+                                      message=f"preparing {msg.mode} failed: {e}", current_mode=self.s.role.name,
+                                      epoch=self.epoch)
+        return SwitchModeResp(call_id=msg.call_id, status_code=200, status="ok", message=f"{msg.mode} prepared",
+                              current_mode=self.s.role.name, epoch=self.epoch)
+
+    def on_iteration(self) -> None:
+        """Called once per loop iteration: finish draining, or time out and roll back."""
+        p = self.pending
+        if self.state != TransitionState.DRAINING or p is None:
+            return
+        waited = time.monotonic() - p.drain_started
+        if self.s.is_idle():
+            self.pending = None
+            p.timings_ms["drain"] = round(waited * 1000, 3)
+            self.s.replies.append(self._switch(p))
+        elif waited > p.msg.timeout_s:
+            self.pending = None
+            self._to_idle()
+            self.last_error = f"drain timed out after {p.msg.timeout_s}s"
+            self.s.replies.append(self._reply(p.msg, 504, f"{self.last_error}; rolled back, still serving as "
+                                                          f"{self.s.role.name}"))
+
+    # ------------------------------------------------------------------ the switch
+
+    def _switch(self, p: PendingSwitch) -> SwitchModeResp:
+        s, mode = self.s, p.msg.mode
+        t0 = time.monotonic()
+        self.state = TransitionState.SWITCHING
+        old_role, old_cache = s.role, s.mem.tree_cache
+        new_role, new_cache = None, None
+        try:
+            self._fault("check")
+            self._check_quiescent()
+            new_cache = self._cache_for(mode, p.msg.flush_cache)
+            self._fault("cache")
+            new_role = self.idle_roles.pop(mode, None) or self._build_role(mode, activate=False)
+            self._fault("init")
+            new_role.activate()  # prefill: the bootstrap server starts here (port in use = failure)
+            self._fault("bootstrap")
+            self._fault("commit")
+        except Exception as e:
+            return self._rollback(p, e, old_role, old_cache, new_role)
+        self._commit(old_role, old_cache, new_role, new_cache)
+        p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
+        p.timings_ms.setdefault("drain", 0.0)
+        self.last_timings_ms = dict(p.timings_ms)
+        self.last_error = None
+        logger.info("switched %s -> %s (epoch %d) in %.1f ms", old_role.name, mode, self.epoch, p.timings_ms["switch"])
+        return self._reply(p.msg, 200, f"switched from {old_role.name} to {mode}", p.timings_ms)
+
+    def _check_quiescent(self) -> None:
+        if not self.s.is_idle():
+            raise SwitchFailed(f"queues not empty: {self.queue_sizes()}", 503)
+        if self.s.mem.tree_cache.protected_size() > 0:
+            raise SwitchFailed("the prefix cache still has locked entries")
+
+    def _cache_for(self, mode: str, flush: bool):
+        """The cache the target role needs (None: keep the current one). Nothing is freed yet."""
+        mem, args = self.s.mem, self.s.args
+        current_is_radix = not getattr(mem.tree_cache, "disable", False)
+        want_radix = mode != "decode" and not args.disable_radix_cache
+        if want_radix == current_is_radix:
+            return None
+        if not want_radix and mem.tree_cache.total_size() > 0 and not flush:
+            raise SwitchFailed("decode needs an empty prefix cache: it holds entries and flush_cache is false", 409)
+        return mem.make_cache(radix=want_radix)
+
+    def _build_role(self, mode: str, activate: bool):
+        from tidal.roles import create_role
+
+        return create_role(mode, self.s, activate=activate)
+
+    def _commit(self, old_role, old_cache, new_role, new_cache) -> None:
+        s = self.s
+        if new_cache is not None:
+            old_cache.flush()  # frees its slots; it held no locks (checked)
+            s.set_cache(new_cache)
+        s.role = new_role
+        self.epoch += 1
+        old_role.deactivate()
+        if self.keep_components:
+            self.idle_roles[old_role.name] = old_role
+        else:
+            old_role.shutdown()
+        self._to_idle()
+
+    def _rollback(self, p: PendingSwitch, e: Exception, old_role, old_cache, new_role) -> SwitchModeResp:
+        self.state = TransitionState.ROLLBACK
+        logger.warning("switch to %s failed (%s); rolling back to %s", p.msg.mode, e, old_role.name)
+        if new_role is not None:
+            try:
+                new_role.shutdown()
+            except Exception:
+                logger.exception("releasing the half-started %s role failed", p.msg.mode)
+        self.s.role = old_role
+        if self.s.mem.tree_cache is not old_cache:
+            self.s.set_cache(old_cache)
+        self.last_error = f"switch to {p.msg.mode} failed: {e}"
+        self._to_idle()
+        code = e.status_code if isinstance(e, SwitchFailed) else 500
+        return self._reply(p.msg, code, f"{self.last_error}; rolled back, still serving as {old_role.name}")
+
+    def _fault(self, step: str) -> None:
+        if self.fault_step == step:
+            raise SwitchFailed(f"injected fault at step {step!r}")
+
+    def _to_idle(self) -> None:
+        self.state, self.target = TransitionState.IDLE, None
+
+    # ------------------------------------------------------------------ reporting
+
+    def queue_sizes(self) -> dict:
+        s = self.s
+        return {"waiting": len(s.waiting_queue), "running": len(s.live_reqs()), **s.role.queue_sizes()}
+
+    def _reply(self, msg: SwitchModeReq, code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
+        return SwitchModeResp(call_id=msg.call_id, status_code=code, status="ok" if code == 200 else "error",
+                              message=message, current_mode=self.s.role.name, epoch=self.epoch,
+                              timings_ms=timings or {})
+
+    def status(self, call_id: int) -> ModeStatusResp:
+        initialized = [self.s.role.name, *self.idle_roles]
+        return ModeStatusResp(
+            call_id=call_id, current_mode=self.s.role.name, transition_state=self.state.value,
+            target_mode=self.target, epoch=self.epoch, last_error=self.last_error,
+            initialized_roles=sorted(set(initialized)), queue_sizes=self.queue_sizes(),
+            last_switch_timings_ms=self.last_timings_ms, enabled=self.enabled,
+        )
+
+    def shutdown(self) -> None:
+        for role in self.idle_roles.values():
+            role.shutdown()
+        self.idle_roles.clear()
