@@ -20,8 +20,16 @@ from tidal.router.dispatch import Dispatcher
 from tidal.router.legs import json_error
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
+from tidal.router.orchestrate import add_orchestration_routes
 from tidal.router.workers import (
-    DECODE, DEFAULT_BOOTSTRAP_PORT, MODES, NULL, PREFILL, HealthChecker, Worker, WorkerRegistry,
+    DECODE,
+    DEFAULT_BOOTSTRAP_PORT,
+    MODES,
+    NULL,
+    PREFILL,
+    HealthChecker,
+    Worker,
+    WorkerRegistry,
     parse_bootstrap_port,
 )
 
@@ -96,6 +104,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_router_app(cfg: RouterConfig, state: Optional[RouterState] = None) -> FastAPI:
     app = FastAPI(title="tidal router", version=tidal.__version__, lifespan=_lifespan)
     app.state.router = state or build_state(cfg)
+    add_orchestration_routes(app)
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, e: Exception) -> Response:

@@ -9,7 +9,11 @@ from typing import Optional
 
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
-from tidal.router.workers import DEFAULT_BOOTSTRAP_PORT, normalize_url, parse_bootstrap_port
+from tidal.router.workers import (
+    DEFAULT_BOOTSTRAP_PORT,
+    normalize_url,
+    parse_bootstrap_port,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000)
     s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000)
     s.add_argument("--api-key", default=None, help="sent to the workers as a Bearer token")
+    s.add_argument("--worker-admin-api-key", default=None, help="sent to the workers' admin API for role moves")
+    s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
 
 
@@ -75,6 +81,7 @@ def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
         retry_max_backoff_s=ns.retry_max_backoff_ms / 1000, enforce_disaggregation=ns.enforce_disaggregation,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
+        worker_admin_api_key=ns.worker_admin_api_key, switch_timeout_s=ns.switch_timeout_secs,
         log_level=ns.log_level)
 
 

@@ -31,6 +31,8 @@ class RouterConfig:
     max_tree_size: int = 1 << 17
     prefill_wait_s: float = 30.0  # how long a finished decode waits for prefill's answer
     api_key: Optional[str] = None  # sent to workers as a Bearer token
+    worker_admin_api_key: Optional[str] = None  # sent to workers' /admin routes (role moves)
+    switch_timeout_s: float = 60.0  # drain + switch budget for one role move
     log_level: str = "info"
 
     def __post_init__(self) -> None:

@@ -31,6 +31,9 @@ MAX_AFFINITY_CHARS = 16384
 _ROOM_RNG = random.SystemRandom()
 
 
+EXPECTED_MODE_HEADER = "X-Tidal-Expected-Mode"
+
+
 def new_room() -> int:
     return _ROOM_RNG.randint(0, 2**63 - 1)
 
@@ -228,8 +231,11 @@ class Dispatcher:
         return h
 
     def _leg(self, worker: Worker, role: str, route: str, data: bytes, auth: Optional[str]) -> Leg:
+        headers = self._headers(auth)
+        if worker.reports_epoch:
+            headers[EXPECTED_MODE_HEADER] = f"{worker.mode};epoch={worker.epoch}"
         return Leg(worker, role, self.session, self.registry, self.metrics, worker.url + route,
-                   data, self._headers(auth), self.cfg.request_timeout_s)
+                   data, headers, self.cfg.request_timeout_s)
 
     async def _whole_attempt(self, route: str, body: dict, w: Worker, stream: bool,
                              auth: Optional[str]) -> Outcome:

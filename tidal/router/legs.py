@@ -16,7 +16,8 @@ from tidal.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
 
-RETRYABLE_STATUS = frozenset({408, 429} | set(range(500, 600)))
+# 409: the worker changed role since we picked it (X-Tidal-Expected-Mode); go elsewhere
+RETRYABLE_STATUS = frozenset({408, 409, 429} | set(range(500, 600)))
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 

@@ -75,6 +75,8 @@ class Worker:
     load: Optional[dict] = None  # cached /get_load, summed over DP ranks
     last_check: float = 0.0
     last_error: Optional[str] = None
+    switching: bool = False  # being moved to another role: in no pool meanwhile
+    reports_epoch: bool = False  # a tidal worker: requests carry X-Tidal-Expected-Mode
 
     def __post_init__(self) -> None:
         self.configured_role = self.configured_role or self.mode
@@ -138,7 +140,8 @@ class WorkerRegistry:
     # ------------------------------------------------------------ pools
 
     def pool(self, mode: str, healthy_only: bool = True) -> list[Worker]:
-        return [w for w in self._workers.values() if w.mode == mode and (w.healthy or not healthy_only)]
+        return [w for w in self._workers.values()
+                if w.mode == mode and not w.switching and (w.healthy or not healthy_only)]
 
     def has_pd_path(self) -> bool:
         return bool(self.pool(PREFILL)) and bool(self.pool(DECODE))
@@ -246,7 +249,24 @@ class HealthChecker:
             return False
         self.registry.record_success(w)
         await self.refresh_load(w)
+        if not w.switching:
+            await self.refresh_mode(w)
         return True
+
+    async def refresh_mode(self, w: Worker) -> None:
+        """Learn the worker's live role and epoch (tidal workers can switch at runtime)."""
+        try:
+            async with self.session.get(w.url + "/server_info", timeout=self.timeout, headers=self.headers) as r:
+                info = await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError):
+            return
+        if not isinstance(info, dict) or info.get("disaggregation_mode") not in MODES:
+            return
+        epoch = info.get("epoch") if isinstance(info.get("epoch"), int) else None
+        bport = info.get("disaggregation_bootstrap_port")
+        if self.registry.set_mode(w.url, info["disaggregation_mode"], epoch,
+                                  bport if isinstance(bport, int) else None) and epoch is not None:
+            w.reports_epoch = True
 
     async def refresh_load(self, w: Worker) -> None:
         try:

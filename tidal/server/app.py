@@ -26,10 +26,22 @@ from starlette.responses import Response
 import tidal
 from tidal.config import ServerArgs
 from tidal.server import openai_api
+from tidal.server.admin import add_admin_api
 from tidal.server.metrics import CONTENT_TYPE, Metrics
 from tidal.server.protocol import (
-    SSE_DONE, AbortRequest, ApiError, GenerateRequest, JSONResp, error_body, error_response, event_stream,
-    parse_body, run_until_done, sampling_from_dict, sse,
+    SSE_DONE,
+    AbortRequest,
+    ApiError,
+    GenerateRequest,
+    JSONResp,
+    apply_expected_mode,
+    error_body,
+    error_response,
+    event_stream,
+    parse_body,
+    run_until_done,
+    sampling_from_dict,
+    sse,
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -102,6 +114,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     _add_native_routes(app)
     _add_info_routes(app)
     _add_admin_routes(app)
+    add_admin_api(app)
     return app
 
 
@@ -185,6 +198,7 @@ def _add_native_routes(app: FastAPI) -> None:
         tm = _ctx(request).tm
         body = parse_body(GenerateRequest, await request.body())
         reqs, batched, group = _generate_reqs(tm, body)
+        apply_expected_mode(request, reqs)
         states = tm.submit(reqs, group=group, text_in_logprobs=body.return_text_in_logprobs)
         if body.stream:
             return event_stream(_stream_generate(tm, states, batched))

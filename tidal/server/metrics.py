@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import Iterator, Optional
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.core import HistogramMetricFamily
 
 from tidal.messages import StatsResp

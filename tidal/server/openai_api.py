@@ -12,8 +12,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tidal.server.protocol import (
-    SSE_DONE, ApiError, ChatCompletionRequest, ChatMessage, CompletionRequest, JSONResp, event_stream,
-    openai_sampling_dict, parse_body, run_until_done, sampling_from_dict, sse,
+    SSE_DONE,
+    ApiError,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    JSONResp,
+    apply_expected_mode,
+    event_stream,
+    openai_sampling_dict,
+    parse_body,
+    run_until_done,
+    sampling_from_dict,
+    sse,
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -116,6 +127,7 @@ async def create_completion(request: Request, tm: TokenizerManager, model_name: 
     call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
                  echo=[t for t in texts for _ in range(body.n)] if body.echo else [], logprobs=want_lp,
                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
     return await _respond(request, tm, call, body, _completion_choice, _stream_completion)
 
@@ -218,6 +230,7 @@ async def create_chat_completion(request: Request, tm: TokenizerManager, model_n
     reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False)
     call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
                  logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+    apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
     return await _respond(request, tm, call, body, _chat_choice, _stream_chat)
 

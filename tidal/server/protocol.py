@@ -220,7 +220,29 @@ class JSONResp(Response):
 
 
 def error_response(e: ApiError) -> JSONResp:
-    return JSONResp(e.body(), status_code=e.status_code)
+    # 503: this server cannot take the request now (draining, switching); routers retry elsewhere
+    headers = {"Retry-After": "1"} if e.status_code == 503 else None
+    return JSONResp(e.body(), status_code=e.status_code, headers=headers)
+
+
+EXPECTED_MODE_HEADER = "x-tidal-expected-mode"
+
+
+def apply_expected_mode(request: Request, reqs: Sequence[Any]) -> None:
+    """`X-Tidal-Expected-Mode: decode` or `decode;epoch=3` (set by tidal's router)."""
+    raw = request.headers.get(EXPECTED_MODE_HEADER)
+    if not raw:
+        return
+    mode, _, rest = raw.partition(";")
+    epoch = None
+    if rest.strip().startswith("epoch="):
+        try:
+            epoch = int(rest.strip()[len("epoch="):])
+        except ValueError:
+            raise ApiError(f"bad {EXPECTED_MODE_HEADER} header: {raw!r}") from None
+    for r in reqs:
+        r.expected_mode = mode.strip() or None
+        r.expected_epoch = epoch
 
 
 def event_stream(gen: AsyncIterator[bytes]) -> StreamingResponse:

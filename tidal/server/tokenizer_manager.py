@@ -21,8 +21,24 @@ import zmq
 
 from tidal.config import ServerArgs
 from tidal.messages import (
-    AbortReq, BatchOut, FinishReason, FlushCacheReq, FlushCacheResp, GenerateReq, ReqOutput,
-    SchedulerError, SchedulerReady, StatsReq, StatsResp, decode_to_api, encode,
+    AbortReq,
+    BatchOut,
+    FinishReason,
+    FlushCacheReq,
+    FlushCacheResp,
+    GenerateReq,
+    ModeStatusReq,
+    ModeStatusResp,
+    PrepareModeReq,
+    ReqOutput,
+    SchedulerError,
+    SchedulerReady,
+    StatsReq,
+    StatsResp,
+    SwitchModeReq,
+    SwitchModeResp,
+    decode_to_api,
+    encode,
 )
 from tidal.sampling_params import SamplingParams
 from tidal.server.detokenizer import IncrementalDetokenizer, decode_tokens
@@ -170,6 +186,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer if tokenizer is not None else load_server_tokenizer(args)
         self.metrics = metrics
         self.ready: Optional[SchedulerReady] = None
+        self.mode, self.epoch = args.disaggregation_mode, 0  # last known; the scheduler is authoritative
         self.dead_reason: Optional[str] = None
         self.output_timeout = float(args.watchdog_timeout)
         self.last_output_at = 0.0
@@ -251,7 +268,7 @@ class TokenizerManager:
             self.last_output_at = now
             for out in msg.outputs:
                 self._on_output(out, now)
-        elif isinstance(msg, (FlushCacheResp, StatsResp)):
+        elif isinstance(msg, (FlushCacheResp, StatsResp, SwitchModeResp, ModeStatusResp)):
             fut = self._rpcs.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -419,17 +436,29 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ RPCs
 
-    async def _call(self, msg_type: type, timeout: float) -> Any:
+    async def _call(self, msg_type: type, timeout: float, **fields: Any) -> Any:
         call_id = next(self._call_ids)
         fut = asyncio.get_running_loop().create_future()
         self._rpcs[call_id] = fut
         try:
-            self._send(msg_type(call_id=call_id))
+            self._send(msg_type(call_id=call_id, **fields))
             return await asyncio.wait_for(fut, timeout)
         except asyncio.TimeoutError:
             raise ApiError(f"The scheduler did not answer {msg_type.__name__} within {timeout:.0f}s", 504) from None
         finally:
             self._rpcs.pop(call_id, None)
+
+    async def switch_mode(self, mode: str, drain: bool, timeout_s: float, flush_cache: bool) -> SwitchModeResp:
+        resp = await self._call(SwitchModeReq, timeout_s + RPC_TIMEOUT_S, mode=mode, drain=drain,
+                                timeout_s=timeout_s, flush_cache=flush_cache)
+        self.mode, self.epoch = resp.current_mode, resp.epoch
+        return resp
+
+    async def prepare_mode(self, mode: str) -> SwitchModeResp:
+        return await self._call(PrepareModeReq, 120.0, mode=mode)
+
+    async def mode_status(self) -> ModeStatusResp:
+        return await self._call(ModeStatusReq, RPC_TIMEOUT_S)
 
     async def flush_cache(self, timeout: float = RPC_TIMEOUT_S) -> FlushCacheResp:
         return await self._call(FlushCacheReq, timeout)

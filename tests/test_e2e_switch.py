@@ -1,0 +1,142 @@
+"""Runtime role switching on real servers: the admin API's status codes, and a 3-server
+cluster moved through every direction by the router under continuous client traffic."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from servers import Server, free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+KEY = "sekrit"
+PROMPTS = ["The capital of France is", "def add(a, b):", "Three primary colors are", "Water boils at"]
+
+
+def dynamic_server(*extra: str) -> Server:
+    return Server("--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
+                  "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1",
+                  "--chunked-prefill-size", "32", *extra)
+
+
+def switch(url: str, mode: str, key: str | None = KEY, **kw) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + "/admin/switch_disaggregation_mode", json={"mode": mode, **kw}, headers=headers,
+                      timeout=120)
+
+
+def gen(url: str, text: str, n: int = 16) -> httpx.Response:
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    return httpx.post(url + "/generate", json=body, timeout=120)
+
+
+def test_admin_api_status_codes():
+    s = dynamic_server("--admin-api-key", KEY)
+    try:
+        assert switch(s.url, "prefill", key=None).status_code == 401
+        assert switch(s.url, "sideways").status_code == 400
+        st = httpx.get(s.url + "/admin/disaggregation_status", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert st["current_mode"] == "null" and st["transition_state"] == "IDLE" and st["epoch"] == 0
+
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        with httpx.Client(timeout=120) as c:
+            t = threading.Thread(target=lambda: c.post(s.url + "/generate", json=body))
+            t.start()
+            time.sleep(1.0)
+            busy = switch(s.url, "prefill")  # queues not empty, no drain
+            assert busy.status_code == 503 and busy.headers.get("retry-after")
+            slow = switch(s.url, "decode", drain=True, timeout_s=0.5)  # the request outlives the drain
+            assert slow.status_code == 504 and slow.json()["current_mode"] == "null"
+            t.join()
+
+        r = switch(s.url, "prefill")
+        assert r.status_code == 200 and r.json()["epoch"] == 1 and "switch" in r.json()["timings_ms"]
+        info = httpx.get(s.url + "/server_info").json()
+        assert info["disaggregation_mode"] == "prefill" and info["epoch"] == 1
+        r = httpx.post(s.url + "/pd_role_switch", json={"new_role": "null"}, headers={"Authorization": f"Bearer {KEY}"})
+        assert r.status_code == 200 and r.json()["current_mode"] == "null"
+        assert gen(s.url, PROMPTS[1], 4).status_code == 200
+        wrong = httpx.post(s.url + "/generate", json={"text": "hi"}, headers={"X-Tidal-Expected-Mode": "decode"})
+        assert wrong.status_code == 409
+    finally:
+        s.stop()
+
+
+def test_disabled_switching_is_400():
+    s = Server("--torch-threads", "1")
+    try:
+        r = switch(s.url, "prefill", key=None)
+        assert r.status_code == 400 and "--enable-dynamic-disaggregation" in r.json()["message"]
+    finally:
+        s.stop()
+
+
+class Traffic:
+    """Client threads sending greedy requests through the router until stopped."""
+
+    def __init__(self, url: str, reference: dict[str, list[int]], threads: int = 3):
+        self.url, self.reference = url, reference
+        self.ok, self.failures, self.mismatches = 0, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, i: int) -> None:
+        k = i
+        while not self._stop.is_set():
+            prompt = PROMPTS[k % len(PROMPTS)]
+            k += 1
+            try:
+                r = gen(self.url, prompt)
+            except httpx.HTTPError as e:
+                self.failures.append(repr(e))
+                continue
+            if r.status_code != 200:
+                self.failures.append(f"{r.status_code}: {r.text[:300]}")
+            elif r.json()["output_ids"] != self.reference[prompt]:
+                self.mismatches.append(prompt)
+            else:
+                self.ok += 1
+
+    def __enter__(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(180)
+
+
+def test_router_moves_workers_through_every_direction_under_traffic():
+    servers = [dynamic_server() for _ in range(3)]
+    a, b, c = (s.url for s in servers)
+    reference = {p: gen(a, p).json()["output_ids"] for p in PROMPTS}
+    rport = free_port()
+    cmd = [sys.executable, "-m", "tidal.router", "--port", str(rport), "--worker", a, b, c,
+           "--policy", "round_robin", "--health-check-interval-secs", "1", "--max-retries", "5"]
+    router = Server(cmd=cmd, port=rport)
+    moves = [(a, "prefill"), (b, "decode"), (a, "decode"), (c, "prefill"), (b, "prefill"), (c, "null"),
+             (a, "null"), (b, "null")]
+    try:
+        with Traffic(router.url, reference) as traffic:
+            time.sleep(2)
+            for url, mode in moves:
+                r = httpx.post(router.url + "/admin/set_worker_role", json={"url": url, "mode": mode}, timeout=180)
+                assert r.status_code == 200, r.text
+                assert r.json()["mode"] == mode
+                time.sleep(1.5)
+        workers = {w["url"]: w for w in httpx.get(router.url + "/workers").json()["workers"]}
+        assert all(w["mode"] == "null" for w in workers.values())
+        assert workers[a]["epoch"] == 3 and workers[b]["epoch"] == 3 and workers[c]["epoch"] == 2
+        assert traffic.failures == [] and traffic.mismatches == []
+        assert traffic.ok > 20
+    finally:
+        router.stop()
+        for s in servers:
+            s.stop()

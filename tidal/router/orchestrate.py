@@ -1,0 +1,104 @@
+"""Moving a worker between the prefill, decode and null pools (`POST /admin/set_worker_role`).
+
+The worker leaves its pool first (no new requests reach it), is asked to drain and
+switch, and joins the new pool only after it reports the new mode with a larger epoch.
+On any failure it returns to its old pool unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import aiohttp
+import msgspec
+from fastapi import FastAPI, Request, Response
+
+from tidal.router.workers import MODES, PREFILL, Worker
+
+logger = logging.getLogger(__name__)
+
+
+def _json(obj: Any, status_code: int = 200) -> Response:
+    return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
+
+
+def _error(message: str, status_code: int, **extra: Any) -> Response:
+    return _json({"error": {"message": message, "code": status_code}, **extra}, status_code)
+
+
+class RoleMover:
+    def __init__(self, st: Any):
+        self.st = st
+
+    def _headers(self) -> dict:
+        key = self.st.cfg.worker_admin_api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+    async def move(self, url: str, mode: str) -> Response:
+        w: Worker = self.st.registry.get(url)
+        if w is None:
+            return _error(f"unknown worker {url}", 404)
+        if mode not in MODES:
+            return _error(f"invalid mode {mode!r}; choose from {list(MODES)}", 400)
+        if w.switching:
+            return _error(f"worker {url} is already being moved", 409)
+        old_mode, old_epoch = w.mode, w.epoch
+        w.switching = True
+        try:
+            status, body = await self._switch(w, mode)
+            if status != 200:
+                message = (body or {}).get("message") or (body or {}).get("error") or f"HTTP {status}"
+                return _error(f"worker {url} did not switch to {mode}: {message}", 502 if status == 0 else status,
+                              worker_response=body)
+            epoch = body.get("epoch")
+            if body.get("current_mode") != mode or (old_epoch is not None and mode != old_mode
+                                                    and not (isinstance(epoch, int) and epoch > old_epoch)):
+                return _error(f"worker {url} reported mode {body.get('current_mode')} epoch {epoch}; "
+                              f"expected {mode} with an epoch above {old_epoch}", 502, worker_response=body)
+            await self._learn(w, mode, epoch)
+            logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
+            return _json({"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
+                          "timings_ms": body.get("timings_ms", {})})
+        finally:
+            w.switching = False
+
+    async def _switch(self, w: Worker, mode: str) -> tuple[int, Any]:
+        timeout_s = self.st.cfg.switch_timeout_s
+        payload = {"mode": mode, "drain": True, "timeout_s": timeout_s}
+        try:
+            async with self.st.session.post(w.url + "/admin/switch_disaggregation_mode", json=payload,
+                                            headers=self._headers(),
+                                            timeout=aiohttp.ClientTimeout(total=timeout_s + 30)) as r:
+                raw = await r.read()
+                return r.status, (msgspec.json.decode(raw) if raw else None)
+        except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as e:
+            return 0, {"message": f"{type(e).__name__}: {e}"}
+
+    async def _learn(self, w: Worker, mode: str, epoch: Any) -> None:
+        bport = None
+        if mode == PREFILL:
+            try:
+                async with self.st.session.get(w.url + "/server_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                    info = await r.json(content_type=None)
+                bport = info.get("disaggregation_bootstrap_port")
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                pass
+        self.st.registry.set_mode(w.url, mode, epoch if isinstance(epoch, int) else None,
+                                  bport if isinstance(bport, int) else None)
+        w.reports_epoch = isinstance(epoch, int)
+
+
+class SetRoleBody(msgspec.Struct):
+    url: str
+    mode: str
+
+
+def add_orchestration_routes(app: FastAPI) -> None:
+    @app.post("/admin/set_worker_role")
+    async def set_worker_role(request: Request) -> Response:
+        try:
+            body = msgspec.json.decode(await request.body(), type=SetRoleBody)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return _error(f"body must be {{\"url\": ..., \"mode\": ...}}: {e}", 400)
+        return await RoleMover(request.app.state.router).move(body.url.strip().rstrip("/"), body.mode)

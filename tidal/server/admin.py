@@ -1,0 +1,88 @@
+"""Admin API: runtime role switching (`/admin/*`, SGLang's `/pd_role_switch`).
+
+When `--admin-api-key` is set these routes need `Authorization: Bearer KEY` (401 otherwise).
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Optional
+
+import msgspec
+from fastapi import FastAPI, Request, Response
+from pydantic import BaseModel, ConfigDict
+
+from tidal.server.protocol import ApiError, JSONResp, error_body, parse_body
+
+
+class SwitchBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    mode: str
+    drain: bool = False
+    timeout_s: float = 30.0
+    flush_cache: bool = True
+
+
+class RoleSwitchBody(BaseModel):  # SGLang's /pd_role_switch
+    model_config = ConfigDict(extra="ignore", strict=True)
+    new_role: str
+
+
+class PrepareBody(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    mode: str
+
+
+def _check_admin(request: Request) -> None:
+    key: Optional[str] = request.app.state.ctx.args.admin_api_key
+    if key is None:
+        return
+    got = request.headers.get("authorization", "")
+    if not hmac.compare_digest(got.encode(), f"Bearer {key}".encode()):
+        raise ApiError("admin endpoints need Authorization: Bearer <admin api key>", 401)
+
+
+def _switch_response(resp: Any) -> Response:
+    body = msgspec.to_builtins(resp)
+    body.pop("type", None)
+    body.pop("call_id", None)
+    code = body.pop("status_code")
+    if code != 200:
+        body["error"] = error_body(body["message"], code)["error"]
+    headers = {"Retry-After": "1"} if code == 503 else None
+    return JSONResp(body, status_code=code, headers=headers)
+
+
+async def _switch(request: Request, mode: str, drain: bool, timeout_s: float, flush_cache: bool) -> Response:
+    _check_admin(request)
+    if not 0 < timeout_s <= 3600:
+        raise ApiError(f"timeout_s must be in (0, 3600], got {timeout_s}")
+    tm = request.app.state.ctx.tm
+    return _switch_response(await tm.switch_mode(mode, drain, timeout_s, flush_cache))
+
+
+def add_admin_api(app: FastAPI) -> None:
+    @app.post("/admin/switch_disaggregation_mode")
+    async def switch_mode(request: Request) -> Response:
+        body = parse_body(SwitchBody, await request.body())
+        return await _switch(request, body.mode, body.drain, body.timeout_s, body.flush_cache)
+
+    @app.post("/pd_role_switch")
+    async def pd_role_switch(request: Request) -> Response:
+        body = parse_body(RoleSwitchBody, await request.body())
+        return await _switch(request, body.new_role, False, 30.0, True)
+
+    @app.post("/admin/prepare_mode")
+    async def prepare_mode(request: Request) -> Response:
+        _check_admin(request)
+        body = parse_body(PrepareBody, await request.body())
+        return _switch_response(await request.app.state.ctx.tm.prepare_mode(body.mode))
+
+    @app.get("/admin/disaggregation_status")
+    async def status(request: Request) -> Response:
+        _check_admin(request)
+        st = await request.app.state.ctx.tm.mode_status()
+        body = msgspec.to_builtins(st)
+        body.pop("type", None)
+        body.pop("call_id", None)
+        return JSONResp(body)
