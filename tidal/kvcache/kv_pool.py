@@ -3,9 +3,17 @@
 Slots [0, page_size) form a reserved dummy page: padding in gathered batches
 points there, and the allocator never hands it out. Usable slots are
 [page_size, page_size + size).
+
+With `shm_name`, the buffers live in one POSIX shared-memory file
+/dev/shm/<shm_name> (K of every layer, then V of every layer), so another process on
+the host can write pages straight into them (the `shm` transfer backend). The pool
+owns the file: `close()` unlinks it; the memory goes when the last mapping does.
 """
 
 from __future__ import annotations
+
+import os
+from typing import Optional
 
 import torch
 
@@ -20,6 +28,7 @@ class MHATokenToKVPool:
         num_kv_heads: int,
         head_dim: int,
         device: str | torch.device = "cpu",
+        shm_name: Optional[str] = None,
     ):
         self.size = size
         self.page_size = page_size
@@ -29,6 +38,10 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.device = torch.device(device)
         total = size + page_size
+        self.shm_path: Optional[str] = None
+        if shm_name is not None:
+            self.k_buffer, self.v_buffer = self._map_shm(shm_name, total)
+            return
         # torch.empty leaves untouched pages unbacked, so a large pool costs memory only as
         # it fills; every slot is written before it is read, except the dummy page, which
         # padding reads and must hold finite values (0 * NaN would poison attention).
@@ -40,6 +53,38 @@ class MHATokenToKVPool:
         buf = torch.empty((total, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
         buf[: self.page_size].zero_()
         return buf
+
+    def _map_shm(self, name: str, total: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """One shared file, zero-filled and lazily backed like torch.empty."""
+        if self.device.type != "cpu":
+            raise ValueError("a shared-memory KV pool must be on the CPU")
+        per_layer = total * self.num_kv_heads * self.head_dim
+        elem = torch.tensor([], dtype=self.dtype).element_size()
+        path = os.path.join("/dev/shm", name)
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        try:
+            os.ftruncate(fd, 2 * self.num_layers * per_layer * elem)
+            numel = 2 * self.num_layers * per_layer
+            flat = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=self.dtype)
+        except BaseException:
+            os.unlink(path)
+            raise
+        finally:
+            os.close(fd)
+        self.shm_path = path
+        # [2 * layer] -> [slot, kv_head, head_dim]: K of every layer, then V
+        views = [flat[i * per_layer : (i + 1) * per_layer].view(total, self.num_kv_heads, self.head_dim)
+                 for i in range(2 * self.num_layers)]
+        return views[: self.num_layers], views[self.num_layers :]
+
+    def close(self) -> None:
+        """Unlinks the shared-memory file, if any; the buffers stay usable. Idempotent."""
+        path, self.shm_path = self.shm_path, None
+        if path is not None:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
     def set_kv(self, layer_id: int, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [num_tokens, num_kv_heads, head_dim]; loc: [num_tokens] slots."""

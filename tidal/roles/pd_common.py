@@ -55,9 +55,7 @@ class TransferComponents:
 
     def register(self, bootstrap_port: int) -> None:
         """Announce this prefill rank to the (just started) bootstrap server."""
-        register = getattr(self.manager, "_register", None)  # the fake backend has no network
-        if register is not None:
-            register(bootstrap_port)
+        self.manager.register(bootstrap_port)  # a no-op for the fake backend
 
     def stats(self) -> dict:
         return self.manager.stats()

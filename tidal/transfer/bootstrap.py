@@ -1,0 +1,369 @@
+"""The bootstrap server that decode servers ask for the prefill ranks (SGLang's routes),
+and the decode side's client of it: lookups and heartbeats in one background thread.
+
+Routes:
+  PUT /route      a prefill rank registers {role, rank_ip, rank_port, engine_rank,
+                  tp_size, dp_size, pp_size, page_size, kv_dtype, [dp_group, pp_rank, prefill_id]}
+  DELETE /route   ?engine_rank&target_dp_group&target_pp_rank[&prefill_id]: deregister
+  GET /route      engine_rank=-1&target_dp_group=-1&target_pp_rank=-1: the topology
+                  {prefill_attn_tp_size, prefill_dp_size, prefill_pp_size, prefill_page_size,
+                  prefill_kv_dtype}; otherwise one rank's {rank_ip, rank_port, prefill_id}.
+                  400 bad query, 404 unknown rank, 503 nothing registered yet.
+  GET /health
+  POST /heartbeat {decode_id, [endpoint]} -> {status, prefill_ids}
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+from aiohttp import web
+
+from tidal.transfer.common import http_json
+
+logger = logging.getLogger(__name__)
+
+_REQUIRED = {"rank_ip": str, "rank_port": int, "engine_rank": int}
+_OPTIONAL_INT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1, "dp_group": 0, "pp_rank": 0}
+
+
+def _parse_registration(body: Any) -> dict:
+    """The validated registration, or ValueError saying what is wrong."""
+    if not isinstance(body, dict):
+        raise ValueError("body must be a JSON object")
+    role = body.get("role", "Prefill")
+    if not isinstance(role, str) or role.lower() != "prefill":
+        raise ValueError(f"role must be 'Prefill', got {role!r}")
+    out: dict[str, Any] = {}
+    for key, typ in _REQUIRED.items():
+        value = body.get(key)
+        if not isinstance(value, typ) or isinstance(value, bool):
+            raise ValueError(f"{key} is required ({typ.__name__})")
+        out[key] = value
+    for key, default in _OPTIONAL_INT.items():
+        value = body.get(key, default)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{key} must be a non-negative int")
+        out[key] = value
+    if out["engine_rank"] >= out["tp_size"] or out["page_size"] < 1 or not 0 < out["rank_port"] < 65536:
+        raise ValueError("engine_rank must be < tp_size, page_size >= 1, rank_port in 1..65535")
+    out["kv_dtype"] = str(body.get("kv_dtype", ""))
+    out["prefill_id"] = str(body.get("prefill_id", f"{out['rank_ip']}:{out['rank_port']}"))
+    return out
+
+
+def _query_ints(request: web.Request, names: tuple[str, ...]) -> tuple[int, ...]:
+    try:
+        return tuple(int(request.query[n]) for n in names)
+    except (KeyError, ValueError) as e:
+        raise web.HTTPBadRequest(text=f"query needs integer {', '.join(names)}: {e}") from e
+
+
+_ROUTE_KEYS = ("engine_rank", "target_dp_group", "target_pp_rank")
+
+
+class BootstrapServer:
+    """HTTP server in its own thread and event loop. `start()` raises if the port is taken."""
+
+    def __init__(self, host: str = "0.0.0.0", port: int = 8998):
+        self.host = host
+        self.port = port
+        self._lock = threading.Lock()
+        self._ranks: dict[tuple[int, int, int], dict] = {}  # (dp_group, engine_rank, pp_rank)
+        self._topology: Optional[dict] = None
+        self._decode_peers: dict[str, dict] = {}
+        self._thread: Optional[threading.Thread] = None
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._ready = threading.Event()
+        self._error: Optional[BaseException] = None
+
+    # ---- lifecycle
+
+    def start(self, timeout: float = 10.0) -> None:
+        if self._thread is not None:
+            raise RuntimeError("bootstrap server already started")
+        self._ready.clear()
+        self._error = None
+        self._thread = threading.Thread(target=self._serve, name=f"tidal-bootstrap-{self.port}", daemon=True)
+        self._thread.start()
+        if not self._ready.wait(timeout):
+            raise RuntimeError(f"bootstrap server on {self.host}:{self.port} did not start in {timeout}s")
+        if self._error is not None:
+            self._thread.join()
+            self._thread = None
+            err = self._error
+            if isinstance(err, OSError):
+                msg = f"bootstrap port {self.host}:{self.port} is already in use or unavailable: {err}"
+                raise RuntimeError(msg) from err
+            raise RuntimeError(f"bootstrap server failed to start: {err}") from err
+
+    def stop(self) -> None:
+        """Stops serving and releases the port; idempotent."""
+        thread, loop = self._thread, self._loop
+        if thread is None or loop is None:
+            return
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join()
+        self._thread = None
+        self._loop = None
+
+    def _serve(self) -> None:
+        loop = asyncio.new_event_loop()
+        runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        try:
+            loop.run_until_complete(self._listen(runner))
+        except BaseException as e:  # surfaced by start()
+            self._error = e
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+            self._ready.set()
+            return
+        self._loop = loop
+        self._ready.set()
+        try:
+            loop.run_forever()
+        finally:
+            loop.run_until_complete(runner.cleanup())
+            loop.close()
+
+    async def _listen(self, runner: web.AppRunner) -> None:
+        await runner.setup()
+        site = web.TCPSite(runner, self.host, self.port, reuse_address=True, reuse_port=False)
+        await site.start()
+        if self.port == 0:
+            self.port = runner.addresses[0][1]
+
+    # ---- state, for the owner and tests
+
+    def decode_peers(self) -> dict[str, dict]:
+        with self._lock:
+            return {k: dict(v) for k, v in self._decode_peers.items()}
+
+    def prefill_ids(self) -> list[str]:
+        with self._lock:
+            return sorted({r["prefill_id"] for r in self._ranks.values()})
+
+    # ---- routes
+
+    def _app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_put("/route", self._put_route)
+        app.router.add_get("/route", self._get_route)
+        app.router.add_delete("/route", self._delete_route)
+        app.router.add_get("/health", self._health)
+        app.router.add_post("/heartbeat", self._heartbeat)
+        return app
+
+    async def _put_route(self, request: web.Request) -> web.Response:
+        try:
+            reg = _parse_registration(await request.json())
+        except ValueError as e:  # includes JSON decode errors
+            return web.json_response({"error": str(e)}, status=400)
+        key = (reg["dp_group"], reg["engine_rank"], reg["pp_rank"])
+        with self._lock:
+            self._ranks[key] = reg
+            self._topology = {
+                "prefill_attn_tp_size": reg["tp_size"],
+                "prefill_dp_size": reg["dp_size"],
+                "prefill_pp_size": reg["pp_size"],
+                "prefill_page_size": reg["page_size"],
+                "prefill_kv_dtype": reg["kv_dtype"],
+            }
+        return web.json_response({"status": "ok"})
+
+    async def _get_route(self, request: web.Request) -> web.Response:
+        rank, dp, pp = _query_ints(request, _ROUTE_KEYS)
+        with self._lock:
+            if not self._ranks:
+                return web.json_response({"error": "no prefill rank registered yet"}, status=503)
+            if (rank, dp, pp) == (-1, -1, -1):
+                return web.json_response(dict(self._topology or {}))
+            reg = self._ranks.get((dp, rank, pp))
+        if reg is None:
+            return web.json_response({"error": f"unknown prefill rank {rank} (dp {dp}, pp {pp})"}, status=404)
+        return web.json_response({k: reg[k] for k in ("rank_ip", "rank_port", "prefill_id")})
+
+    async def _delete_route(self, request: web.Request) -> web.Response:
+        rank, dp, pp = _query_ints(request, _ROUTE_KEYS)
+        want = request.query.get("prefill_id")
+        with self._lock:
+            reg = self._ranks.get((dp, rank, pp))
+            if reg is None or (want is not None and reg["prefill_id"] != want):
+                return web.json_response({"error": "not registered"}, status=404)
+            del self._ranks[(dp, rank, pp)]
+            if not self._ranks:
+                self._topology = None
+        return web.json_response({"status": "ok"})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        with self._lock:
+            body = {"status": "ok", "prefill_ranks": len(self._ranks), "decode_peers": len(self._decode_peers)}
+        return web.json_response(body)
+
+    async def _heartbeat(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            body = None
+        decode_id = body.get("decode_id") if isinstance(body, dict) else None
+        if not isinstance(decode_id, str) or not decode_id:
+            return web.json_response({"error": "decode_id (str) is required"}, status=400)
+        with self._lock:
+            self._decode_peers[decode_id] = {"last_seen": time.time(), "endpoint": str(body.get("endpoint", ""))}
+            ids = sorted({r["prefill_id"] for r in self._ranks.values()})
+        return web.json_response({"status": "ok", "prefill_ids": ids})
+
+
+# ---------------------------------------------------------------- decode-side client
+
+
+class Target:
+    """Where one prefill bootstrap address leads; resolved by BootstrapClient's thread.
+
+    state: "pending" -> "ready" (endpoint, prefill_id set) | "failed" (error set).
+    Readers in other threads only look at `state` and the fields it guards.
+    """
+
+    def __init__(self, addr: str, deadline: float):
+        self.addr = addr
+        self.state = "pending"
+        self.error: Optional[str] = None
+        self.endpoint: Optional[str] = None
+        self.prefill_id = ""
+        self.deadline = deadline
+        self.next_try = 0.0
+        self.backoff = 0.05
+        self.why = ""  # why it is still pending
+        self.misses = 0
+
+
+class BootstrapClient:
+    """Resolves prefill bootstrap addresses (cached per address) and sends heartbeats
+    to every bootstrap server this decode manager is paired with."""
+
+    HTTP_TIMEOUT = 1.0
+
+    def __init__(self, decode_id: str, endpoint: str, page_size: int, kv_dtype: str, engine_rank: int,
+                 config, on_ready, on_lost):
+        self.decode_id = decode_id
+        self.endpoint = endpoint
+        self.page_size = page_size
+        self.kv_dtype = kv_dtype
+        self.engine_rank = engine_rank
+        self.config = config
+        self._on_ready = on_ready  # (Target) -> None
+        self._on_lost = on_lost  # (Target, reason) -> None
+        self._lock = threading.Lock()
+        self._targets: dict[str, Target] = {}
+        self._wake = threading.Event()
+        self._stop = False
+        self._next_heartbeat = time.monotonic() + config.heartbeat_interval
+        self._thread = threading.Thread(target=self._run, name="tidal-kv-bootstrap-client", daemon=True)
+        self._thread.start()
+
+    def target(self, addr: str) -> Target:
+        """The cached target of addr, or a new pending one resolved in the background."""
+        with self._lock:
+            t = self._targets.get(addr)
+            if t is None:
+                t = Target(addr, time.monotonic() + self.config.bootstrap_timeout)
+                self._targets[addr] = t
+                self._wake.set()
+            return t
+
+    def close(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop:
+            now = time.monotonic()
+            with self._lock:
+                pending = [t for t in self._targets.values() if t.state == "pending" and t.next_try <= now]
+            for t in pending:
+                self._resolve(t)
+            if now >= self._next_heartbeat:
+                self._heartbeats()
+                self._next_heartbeat = time.monotonic() + self.config.heartbeat_interval
+            self._wake.wait(self._sleep_time())
+            self._wake.clear()
+
+    def _sleep_time(self) -> float:
+        now = time.monotonic()
+        with self._lock:
+            tries = [t.next_try for t in self._targets.values() if t.state == "pending"]
+        return max(0.0, min([self._next_heartbeat, *tries]) - now)
+
+    def _resolve(self, t: Target) -> None:
+        try:
+            status, topo = http_json("GET", t.addr, "/route?engine_rank=-1&target_dp_group=-1&target_pp_rank=-1",
+                                     timeout=self.HTTP_TIMEOUT)
+            if status == 200:
+                refusal = self._refusal(topo)
+                if refusal:
+                    return self._fail(t, refusal)
+                rank = self.engine_rank % max(1, int(topo.get("prefill_attn_tp_size", 1)))
+                status, reg = http_json("GET", t.addr, f"/route?engine_rank={rank}&target_dp_group=0&target_pp_rank=0",
+                                        timeout=self.HTTP_TIMEOUT)
+            if status == 200:
+                return self._ready(t, reg)
+            if status not in (503, 404):
+                return self._fail(t, f"bootstrap server {t.addr} answered HTTP {status}: {topo if status else ''}")
+            why = f"no prefill rank registered at bootstrap server {t.addr}"
+        except (OSError, ValueError) as e:
+            why = f"bootstrap server {t.addr} unreachable: {e}"
+        t.why = why
+        if time.monotonic() >= t.deadline:
+            return self._fail(t, f"bootstrap timeout after {self.config.bootstrap_timeout}s: {why}")
+        t.next_try = time.monotonic() + t.backoff
+        t.backoff = min(1.0, t.backoff * 2)
+
+    def _refusal(self, topo: dict) -> Optional[str]:
+        page_size = topo.get("prefill_page_size")
+        if page_size != self.page_size:
+            return f"refusing to pair: prefill page size {page_size} != decode page size {self.page_size}"
+        kv_dtype = topo.get("prefill_kv_dtype")
+        if kv_dtype != self.kv_dtype:
+            return f"refusing to pair: prefill kv dtype {kv_dtype!r} != decode kv dtype {self.kv_dtype!r}"
+        return None
+
+    def _ready(self, t: Target, reg: dict) -> None:
+        t.endpoint = f"tcp://{reg['rank_ip']}:{reg['rank_port']}"
+        t.prefill_id = str(reg.get("prefill_id", t.endpoint))
+        t.state = "ready"
+        self._on_ready(t)
+
+    def _fail(self, t: Target, reason: str) -> None:
+        t.error = reason
+        t.state = "failed"
+        with self._lock:
+            if self._targets.get(t.addr) is t:
+                del self._targets[t.addr]
+        logger.warning("%s", reason)
+
+    def _heartbeats(self) -> None:
+        with self._lock:
+            ready = [t for t in self._targets.values() if t.state == "ready"]
+        body = {"decode_id": self.decode_id, "endpoint": self.endpoint}
+        for t in ready:
+            try:
+                status, resp = http_json("POST", t.addr, "/heartbeat", body, timeout=self.HTTP_TIMEOUT)
+            except OSError as e:
+                status, resp = 0, {"error": str(e)}
+            if status == 200 and t.prefill_id not in resp.get("prefill_ids", []):
+                self._lose(t, f"prefill {t.prefill_id} is no longer registered at {t.addr}")
+            elif status == 200:
+                t.misses = 0
+            else:
+                t.misses += 1
+                if t.misses >= self.config.heartbeat_misses:
+                    self._lose(t, f"bootstrap server {t.addr} missed {t.misses} heartbeats: {resp}")
+
+    def _lose(self, t: Target, reason: str) -> None:
+        self._fail(t, reason)
+        self._on_lost(t, reason)

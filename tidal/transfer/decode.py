@@ -1,0 +1,389 @@
+"""Decode side of the common transfer layer: the room table, the prefill rank
+connections, the control handlers, and the receiver the scheduler drives.
+
+A room is Bootstrapping until its prefill rank is resolved (BootstrapClient) and has
+answered our Hello, then WaitingForInput; init() sends TransferInfo (the destination
+pages) and makes it Transferring; RoomDone (every page written, with the metadata
+record) makes it Success and is acknowledged with RoomAck.
+
+A failed room whose destination prefill may still write into (one-sided backends)
+keeps reporting Transferring until prefill's RoomFailed fences it, or `abort_grace`
+passes, so the scheduler never frees pages that are still being written.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Optional
+
+import numpy as np
+
+from tidal.transfer.base import (
+    BaseKVReceiver,
+    KVArgs,
+    KVTransferError,
+    TransferConfig,
+    TransferStats,
+    Transport,
+    layout_of,
+    page_bytes,
+    pages_problem,
+)
+from tidal.transfer.bootstrap import BootstrapClient, Target
+from tidal.transfer.common import (
+    AbortRoom,
+    Bye,
+    ControlPlane,
+    Hello,
+    HelloAck,
+    RoomAck,
+    RoomDone,
+    RoomFailed,
+    TransferInfo,
+    WireMsg,
+    decode_msg,
+    split_addr,
+)
+from tidal.transfer.metadata import decode_record
+from tidal.transfer.poll import KVPoll
+
+logger = logging.getLogger(__name__)
+
+_TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+
+def _valid_addr(addr: str) -> bool:
+    try:
+        split_addr(addr)
+        return True
+    except ValueError:
+        return False
+
+
+class RankConn:
+    """Our link to one prefill rank's inbox: pending until its HelloAck."""
+
+    def __init__(self, endpoint: str, prefill_id: str):
+        self.endpoint = endpoint
+        self.prefill_id = prefill_id
+        self.state = "pending"
+        self.error: Optional[str] = None
+
+
+class ReceiverRoom:
+    def __init__(self, room: int, addr: str, doomed: bool):
+        self.room = room
+        self.addr = addr
+        self.status = KVPoll.Bootstrapping
+        self.reason: Optional[str] = None
+        self.created = time.monotonic()
+        self.init_at: Optional[float] = None
+        self.failed_at = 0.0
+        self.target: Optional[Target] = None
+        self.conn: Optional[RankConn] = None
+        self.dst: Optional[np.ndarray] = None
+        self.metadata_index = -1
+        self.info_sent = False
+        self.fenced = True
+        self.writing = 0
+        self.doomed = doomed
+
+
+class DecodeSide:
+    def __init__(self, args: KVArgs, config: TransferConfig, stats: TransferStats, decode_id: str):
+        self.args = args
+        self.config = config
+        self.stats = stats
+        self.decode_id = decode_id
+        self.transport: Optional[Transport] = None
+        self.control: Optional[ControlPlane] = None
+        self.client: Optional[BootstrapClient] = None
+        self._lock = threading.RLock()
+        self._rooms: dict[int, ReceiverRoom] = {}
+        self._conns: dict[str, RankConn] = {}
+        self._closed = False
+
+    def attach(self, transport: Transport, control: ControlPlane) -> None:
+        self.transport = transport
+        self.control = control
+        self.client = BootstrapClient(self.decode_id, control.endpoint, self.args.page_size, self.args.kv_dtype,
+                                      self.args.engine_rank, self.config, self._on_target_ready, self._on_target_lost)
+
+    # ---- scheduler thread
+
+    def open_room(self, addr: str, room: int) -> ReceiverRoom:
+        st = ReceiverRoom(room, addr, doomed=random.random() < self.config.failure_prob)
+        with self._lock:
+            if self._closed:
+                reason = "decode transfer manager is shut down"
+            elif room in self._rooms:
+                reason = f"duplicate bootstrap_room {room}: another request on this decode holds it"
+            elif not _valid_addr(addr):
+                reason = f"bad bootstrap address {addr!r}, expected host:port"
+            else:
+                self._rooms[room] = st
+                st.target = self.client.target(addr)
+                return st
+        st.status, st.reason = KVPoll.Failed, reason
+        self.stats.add_failure(during_bootstrap=True)
+        return st
+
+    def poll(self, st: ReceiverRoom) -> KVPoll:
+        now = time.monotonic()
+        self._advance(st, now)
+        if st.doomed and st.status not in _TERMINAL and st.status != KVPoll.Bootstrapping:
+            self.fail(st, "injected failure (TIDAL_DISAGG_TEST_FAILURE_PROB)")  # the partner is known: told
+        if st.status == KVPoll.Failed and not st.fenced:
+            return KVPoll.Transferring  # prefill may still write into the pages
+        return st.status
+
+    def init(self, st: ReceiverRoom, pages: np.ndarray, metadata_index: int) -> None:
+        pages = np.array(pages, dtype=np.int64).reshape(-1)
+        problem = pages_problem(pages, self.args.kv_pool, self.args.page_size)
+        if not 0 <= metadata_index < self.args.metadata.size:
+            problem = f"metadata slot {metadata_index} out of range"
+        with self._lock:
+            if st.status in _TERMINAL or st.dst is not None:
+                return
+            if problem is None:
+                st.dst, st.metadata_index, st.init_at = pages, int(metadata_index), time.monotonic()
+        if problem is not None:
+            return self.fail(st, f"init(): {problem}")
+        self._advance(st, st.init_at)
+
+    def fail(self, st: ReceiverRoom, reason: str, from_prefill: bool = False) -> None:
+        with self._lock:
+            if st.status == KVPoll.Failed and from_prefill:
+                return self._fence(st)
+            if st.status in _TERMINAL:
+                return
+            during_bootstrap = st.status == KVPoll.Bootstrapping
+            st.status, st.reason, st.failed_at = KVPoll.Failed, reason, time.monotonic()
+            guarded = self.transport is not None and self.transport.guarded and st.writing == 0
+            st.fenced = from_prefill or not st.info_sent or guarded
+            if st.fenced:
+                self._drop(st)
+            tell = None if from_prefill or st.conn is None or st.conn.state != "ready" else st.conn.endpoint
+        self.stats.add_failure(during_bootstrap)
+        logger.info("decode room %s failed: %s", st.room, reason)
+        if tell is not None:
+            self._send(tell, AbortRoom(room=st.room, decode_id=self.decode_id, endpoint=self.control.endpoint,
+                                       reason=reason))
+
+    def _fence(self, st: ReceiverRoom) -> None:
+        st.fenced = True
+        self._drop(st)
+
+    def _drop(self, st: ReceiverRoom) -> None:
+        if self._rooms.get(st.room) is st:
+            del self._rooms[st.room]
+
+    def _advance(self, st: ReceiverRoom, now: float) -> None:
+        """Moves a room along from what its target and connection say; applies timeouts."""
+        if st.status == KVPoll.Failed:
+            if not st.fenced and now - st.failed_at > self.config.abort_grace:
+                logger.warning("room %s: no fence from prefill in %ss; releasing", st.room, self.config.abort_grace)
+                with self._lock:
+                    self._fence(st)
+            return
+        if st.status == KVPoll.Success:
+            return
+        if st.status == KVPoll.Bootstrapping:
+            self._bootstrap_step(st, now)
+        if st.status == KVPoll.WaitingForInput and st.dst is not None:
+            self._send_info(st)
+        if st.init_at is not None and st.status not in _TERMINAL and now - st.init_at > self.config.waiting_timeout:
+            self.fail(st, f"waiting timeout: room {st.room} not completed {self.config.waiting_timeout}s after init")
+
+    def _bootstrap_step(self, st: ReceiverRoom, now: float) -> None:
+        t = st.target
+        error = None
+        if t is not None and t.state == "failed":
+            error = t.error
+        elif t is not None and t.state == "ready":
+            conn = self._conns.get(t.endpoint)
+            if conn is not None and conn.prefill_id == t.prefill_id and conn.state == "ready":
+                with self._lock:
+                    if st.status == KVPoll.Bootstrapping:
+                        st.conn, st.status = conn, KVPoll.WaitingForInput
+                return
+            if conn is not None and conn.state == "failed":
+                error = f"prefill {t.addr} refused to pair: {conn.error}"
+        if error is None and now - st.created > self.config.bootstrap_timeout:
+            why = f" ({t.why})" if t is not None and t.why else ""
+            error = f"bootstrap timeout: prefill at {st.addr} not reached after {self.config.bootstrap_timeout}s{why}"
+        if error is not None:
+            self.fail(st, error)
+
+    def _send_info(self, st: ReceiverRoom) -> None:
+        with self._lock:
+            if st.status != KVPoll.WaitingForInput or st.info_sent:
+                return
+            st.info_sent = True
+            st.status = KVPoll.Transferring
+        msg = TransferInfo(room=st.room, decode_id=self.decode_id, endpoint=self.control.endpoint,
+                           dst_pages=st.dst.tobytes(), metadata_index=st.metadata_index)
+        self._send(st.conn.endpoint, msg)
+
+    def _send(self, endpoint: str, msg: WireMsg) -> None:
+        if self.control is not None:
+            self.control.send(endpoint, msg)
+
+    # ---- bootstrap client thread
+
+    def _on_target_ready(self, t: Target) -> None:
+        with self._lock:
+            conn = self._conns.get(t.endpoint)
+            if conn is not None and conn.prefill_id == t.prefill_id and conn.state != "failed":
+                return
+            self._conns[t.endpoint] = RankConn(t.endpoint, t.prefill_id)
+        hello = Hello(decode_id=self.decode_id, endpoint=self.control.endpoint, layout=layout_of(self.args),
+                      info=self.transport.local_info())
+        self._send(t.endpoint, hello)
+
+    def _on_target_lost(self, t: Target, reason: str) -> None:
+        with self._lock:
+            live = [st for st in self._rooms.values() if st.target is t and st.status not in _TERMINAL]
+            conn = self._conns.pop(t.endpoint, None) if t.endpoint else None
+        for st in live:
+            self.fail(st, reason)
+        if conn is not None:
+            self.control.disconnect(conn.endpoint)
+
+    # ---- control thread (and the tcp receive thread for in-band completions)
+
+    def on_message(self, msg: WireMsg) -> None:
+        if isinstance(msg, RoomDone):
+            self._on_done(msg)
+        elif isinstance(msg, RoomFailed):
+            self._on_failed(msg)
+        elif isinstance(msg, HelloAck):
+            self._on_hello_ack(msg)
+        else:
+            logger.debug("decode ignores %s", type(msg).__name__)
+
+    def on_inband(self, data: bytes) -> None:
+        self.on_message(decode_msg(data))
+
+    def _partner(self, room: int, prefill_id: str) -> Optional[ReceiverRoom]:
+        st = self._rooms.get(room)
+        if st is None or st.conn is None or st.conn.prefill_id != prefill_id:
+            return None
+        return st
+
+    def _on_done(self, msg: RoomDone) -> None:
+        problem = None
+        with self._lock:
+            st = self._partner(msg.room, msg.prefill_id)
+            if st is not None and st.status != KVPoll.Transferring:
+                return  # failed meanwhile; our AbortRoom is on its way
+            if st is None:
+                conn = next((c for c in self._conns.values() if c.prefill_id == msg.prefill_id), None)
+            else:
+                problem, conn = self._complete(st, msg), st.conn
+        if st is None:
+            if conn is not None:  # tell that prefill so its room fails now rather than at its timeout
+                self._send(conn.endpoint, AbortRoom(room=msg.room, decode_id=self.decode_id,
+                                                    endpoint=self.control.endpoint, reason="unknown room on decode"))
+        elif problem:
+            self.fail(st, problem)
+        else:
+            self.stats.add_bytes(len(st.dst) * page_bytes(self.args.kv_pool, self.args.page_size))
+            self.stats.add_success(time.monotonic() - (st.init_at or st.created))
+            self._send(conn.endpoint, RoomAck(room=msg.room, decode_id=self.decode_id))
+
+    def _complete(self, st: ReceiverRoom, msg: RoomDone) -> Optional[str]:
+        """Lock held. Writes the metadata record; None on success, else what is wrong."""
+        try:
+            record = decode_record(msg.metadata)
+        except Exception as e:
+            return f"malformed metadata from prefill: {e}"
+        if record.bootstrap_room != st.room:
+            return f"metadata is for room {record.bootstrap_room}, not {st.room}"
+        if msg.num_pages != len(st.dst):
+            return f"prefill wrote {msg.num_pages} pages, decode expected {len(st.dst)}"
+        try:
+            self.args.metadata.set(st.metadata_index, record)
+        except (ValueError, IndexError) as e:
+            return f"metadata record does not fit this decode's slots: {e}"
+        st.status = KVPoll.Success
+        self._drop(st)
+        return None
+
+    def _on_failed(self, msg: RoomFailed) -> None:
+        with self._lock:
+            st = self._partner(msg.room, msg.prefill_id)
+        if st is not None:
+            self.fail(st, f"prefill failed the transfer: {msg.reason}", from_prefill=True)
+
+    def _on_hello_ack(self, msg: HelloAck) -> None:
+        with self._lock:
+            conn = self._conns.get(msg.endpoint)
+            if conn is None or conn.prefill_id != msg.prefill_id or conn.state != "pending":
+                return
+            conn.state, conn.error = ("failed", msg.error) if msg.error else ("ready", None)
+            waiting = [st for st in self._rooms.values() if st.status == KVPoll.Bootstrapping]
+        now = time.monotonic()
+        for st in waiting:
+            self._advance(st, now)
+
+    def on_tick(self, now: float) -> None:
+        with self._lock:
+            rooms = list(self._rooms.values())
+        for st in rooms:
+            self._advance(st, now)
+
+    # ---- DecodeSink, for transports whose own thread writes the pages (tcp)
+
+    def begin_write(self, room: int, prefill_id: str, pages: np.ndarray) -> Optional[ReceiverRoom]:
+        with self._lock:
+            st = self._partner(room, prefill_id)
+            if st is None or st.status != KVPoll.Transferring or not np.isin(pages, st.dst).all():
+                return None
+            st.writing += 1
+            return st
+
+    def end_write(self, st: ReceiverRoom) -> None:
+        with self._lock:
+            st.writing -= 1
+            if st.status == KVPoll.Failed and st.writing == 0 and not st.fenced:
+                self._fence(st)
+
+    # ---- lifecycle
+
+    def close(self) -> None:
+        """Fails every live room and says Bye to every prefill rank we paired with."""
+        with self._lock:
+            self._closed = True
+            rooms = list(self._rooms.values())
+            conns = [c for c in self._conns.values() if c.state == "ready"]
+        for st in rooms:
+            self.fail(st, "decode transfer manager shut down")
+            with self._lock:
+                self._fence(st)
+        for conn in conns:
+            self._send(conn.endpoint, Bye(decode_id=self.decode_id, endpoint=self.control.endpoint))
+        if self.client is not None:
+            self.client.close()
+
+
+class DecodeReceiver(BaseKVReceiver):
+    def __init__(self, side: DecodeSide, addr: str, room: int):
+        self._side = side
+        self._room = side.open_room(addr, room)
+
+    def poll(self) -> KVPoll:
+        return self._side.poll(self._room)
+
+    def init(self, kv_page_indices: np.ndarray, metadata_index: int) -> None:
+        self._side.init(self._room, kv_page_indices, metadata_index)
+
+    def failure_exception(self) -> Optional[Exception]:
+        reason = self._room.reason
+        return KVTransferError(reason) if self._room.status == KVPoll.Failed and reason else None
+
+    def abort(self) -> None:
+        self._side.fail(self._room, "aborted by decode")
