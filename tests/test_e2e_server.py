@@ -155,7 +155,8 @@ def test_bench_against_real_server(server, backend, tmp_path):
     out = tmp_path / "r.json"
     ns = add_bench_args(argparse.ArgumentParser()).parse_args([
         "--url", server.url, "--backend", backend, "--num-prompts", "4", "--random-input-len", "16",
-        "--random-output-len", "8", "--max-concurrency", "4", "--disable-tqdm", "--output-file", str(out),
+        "--random-output-len", "8", "--random-range-ratio", "1", "--max-concurrency", "4", "--disable-tqdm",
+        "--output-file", str(out),
     ])
     res = run_bench(ns)
     assert res["completed"] == 4 and res["failed"] == 0
