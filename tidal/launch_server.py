@@ -27,7 +27,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     configure_logging(args.log_level)
-    from tidal.server.launch import launch_server  # imports fastapi/uvicorn: after argument errors
+    from tidal.server.launch import (
+        launch_server,  # imports fastapi/uvicorn: after argument errors
+    )
 
     return launch_server(args)
 

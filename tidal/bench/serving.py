@@ -20,8 +20,19 @@ import aiohttp
 import numpy as np
 from tqdm.auto import tqdm
 
-from tidal.bench.datasets import DATASETS, BenchRequest, build_requests, encode, get_tokenizer
-from tidal.bench.metrics import RequestRecord, compute_metrics, format_table, parse_goodput
+from tidal.bench.datasets import (
+    DATASETS,
+    BenchRequest,
+    build_requests,
+    encode,
+    get_tokenizer,
+)
+from tidal.bench.metrics import (
+    RequestRecord,
+    compute_metrics,
+    format_table,
+    parse_goodput,
+)
 
 BACKENDS = ("tidal", "sglang", "openai", "openai-chat")
 GENERATE_BACKENDS = ("tidal", "sglang")

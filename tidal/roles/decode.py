@@ -13,7 +13,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
-from tidal.roles.pd_common import PDState, TransferComponents, bootstrap_addr_of, fail_request, failure_reason, page_indices
+from tidal.roles.pd_common import (
+    PDState,
+    TransferComponents,
+    bootstrap_addr_of,
+    fail_request,
+    failure_reason,
+    page_indices,
+)
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 

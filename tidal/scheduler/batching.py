@@ -14,9 +14,18 @@ import torch
 from tidal.messages import FinishReason
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import compute_prompt_logprobs
-from tidal.scheduler.policy import AddResult, PrefillAdder, SchedulePolicy, match_prefix_for
+from tidal.scheduler.policy import (
+    AddResult,
+    PrefillAdder,
+    SchedulePolicy,
+    match_prefix_for,
+)
 from tidal.scheduler.req import Req
-from tidal.scheduler.schedule_batch import ScheduleBatch, build_decode_batch, build_extend_batch
+from tidal.scheduler.schedule_batch import (
+    ScheduleBatch,
+    build_decode_batch,
+    build_extend_batch,
+)
 
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler

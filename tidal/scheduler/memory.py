@@ -6,7 +6,13 @@ from typing import Optional
 
 import torch
 
-from tidal.kvcache import ChunkCache, PagedTokenAllocator, RadixCache, ReqToTokenPool, check_integrity
+from tidal.kvcache import (
+    ChunkCache,
+    PagedTokenAllocator,
+    RadixCache,
+    ReqToTokenPool,
+    check_integrity,
+)
 from tidal.scheduler.req import Req
 
 

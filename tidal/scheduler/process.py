@@ -12,7 +12,13 @@ import traceback
 import zmq
 
 from tidal.config import ServerArgs
-from tidal.messages import BatchOut, SchedulerError, SchedulerReady, decode_to_scheduler, encode
+from tidal.messages import (
+    BatchOut,
+    SchedulerError,
+    SchedulerReady,
+    decode_to_scheduler,
+    encode,
+)
 
 logger = logging.getLogger(__name__)
 
