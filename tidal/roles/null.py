@@ -31,9 +31,7 @@ class NullRole:
         return None
 
     def next_batch(self) -> Optional[ScheduleBatch]:
-        planner = self.s.planner
-        batch = planner.new_prefill_batch()
-        return batch if batch is not None else planner.new_decode_batch()
+        return self.s.planner.prefill_or_decode()
 
     def process_result(self, batch: ScheduleBatch, result) -> None:
         self.s.planner.process_result(batch, result)

@@ -93,6 +93,11 @@ class BatchPlanner:
             if adder.add_one_req(req) != AddResult.CONTINUE:
                 break
 
+    def prefill_or_decode(self) -> Optional[ScheduleBatch]:
+        """Prefill first (new or retracted requests), else one decode step of the running batch."""
+        batch = self.new_prefill_batch()
+        return batch if batch is not None else self.new_decode_batch()
+
     # ------------------------------------------------------------------ decode
 
     def new_decode_batch(self) -> Optional[ScheduleBatch]:
