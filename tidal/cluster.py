@@ -45,10 +45,12 @@ class Child:
     url: Optional[str] = None
 
 
-def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Optional[int], threads: int) -> list[str]:
+def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Optional[int], threads: int,
+                num_servers: int) -> list[str]:
+    # the servers share this machine's memory: split the default KV budget (--server-args overrides)
     cmd = [sys.executable, "-m", "tidal.launch_server", "--host", ns.host, "--port", str(port),
            "--disaggregation-mode", mode, "--disaggregation-transfer-backend", ns.disaggregation_transfer_backend,
-           "--torch-threads", str(threads)]
+           "--torch-threads", str(threads), "--mem-fraction-static", f"{0.5 / num_servers:.4f}"]
     if ns.model_path:
         cmd += ["--model-path", ns.model_path]
     if bootstrap_port is not None:
@@ -132,7 +134,7 @@ def run_cluster(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for name, mode, port, bport in plan:
-            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads))
+            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads, len(plan)))
             children.append(Child(name, proc, f"http://{ns.host}:{port}"))
         _wait_healthy(children, time.time() + READY_TIMEOUT_S, stop)
         router = Child("router", subprocess.Popen(_router_cmd(ns, plan)), f"http://{ns.host}:{ns.port}")
