@@ -159,28 +159,11 @@ def _completion_choice(call: _Call, s: ReqState) -> dict:
     return {"index": k, "text": prefix + s.text, "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
 
 
-async def _stream_completion(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
-    sent_text = [0] * len(call.states)
-    sent_lp = [0] * len(call.states)
-    echoed = [not call.echo] * len(call.states)
+async def _streamed(tm: TokenizerManager, call: _Call, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """The SSE envelope both OpenAI streams share: usage chunk, [DONE], errors, abort on exit."""
     try:
-        async for changed in tm.updates(call.states):
-            for s in changed:
-                k = call.index(s)
-                delta = s.text[sent_text[k]:]
-                lp = None
-                if call.logprobs:
-                    new = s.output_token_logprobs[sent_lp[k]:]
-                    lp = _completion_logprobs(new, s.output_top_logprobs[sent_lp[k]:], sent_text[k])
-                    sent_lp[k] += len(new)
-                sent_text[k] = len(s.text)
-                if not echoed[k]:
-                    echoed[k] = True
-                    delta = call.echo[k] + delta
-                reason, matched = _finish(s)
-                if delta or reason or (lp and lp["tokens"]):
-                    yield sse(call.chunk([{"index": k, "text": delta, "logprobs": lp, "finish_reason": reason,
-                                           "matched_stop": matched}]))
+        async for chunk in chunks:
+            yield chunk
         if call.include_usage:
             yield sse(call.chunk([], call.usage()))
         yield SSE_DONE
@@ -188,7 +171,35 @@ async def _stream_completion(tm: TokenizerManager, call: _Call) -> AsyncIterator
         yield sse(e.body())
         yield SSE_DONE
     finally:
+        await chunks.aclose()
         tm.abort_states(call.states)
+
+
+def _stream_completion(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+    return _streamed(tm, call, _completion_chunks(tm, call))
+
+
+async def _completion_chunks(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+    sent_text = [0] * len(call.states)
+    sent_lp = [0] * len(call.states)
+    echoed = [not call.echo] * len(call.states)
+    async for changed in tm.updates(call.states):
+        for s in changed:
+            k = call.index(s)
+            delta = s.text[sent_text[k]:]
+            lp = None
+            if call.logprobs:
+                new = s.output_token_logprobs[sent_lp[k]:]
+                lp = _completion_logprobs(new, s.output_top_logprobs[sent_lp[k]:], sent_text[k])
+                sent_lp[k] += len(new)
+            sent_text[k] = len(s.text)
+            if not echoed[k]:
+                echoed[k] = True
+                delta = call.echo[k] + delta
+            reason, matched = _finish(s)
+            if delta or reason or (lp and lp["tokens"]):
+                yield sse(call.chunk([{"index": k, "text": delta, "logprobs": lp, "finish_reason": reason,
+                                       "matched_stop": matched}]))
 
 
 # ---------------------------------------------------------------- /v1/chat/completions
@@ -255,35 +266,30 @@ def _chat_choice(call: _Call, s: ReqState) -> dict:
             "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
 
 
-async def _stream_chat(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+def _stream_chat(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
+    return _streamed(tm, call, _chat_chunks(tm, call))
+
+
+async def _chat_chunks(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
     sent_text = [-1] * len(call.states)  # -1: the role chunk is not sent yet
     sent_lp = [0] * len(call.states)
-    try:
-        async for changed in tm.updates(call.states):
-            for s in changed:
-                k = call.index(s)
-                if sent_text[k] < 0:
-                    sent_text[k] = 0
-                    yield sse(call.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
-                                           "logprobs": None, "finish_reason": None}]))
-                delta = s.text[sent_text[k]:]
-                sent_text[k] = len(s.text)
-                lp = None
-                if call.logprobs:
-                    lp = _chat_logprobs(s.output_token_logprobs[sent_lp[k]:], s.output_top_logprobs[sent_lp[k]:])
-                    sent_lp[k] = len(s.output_token_logprobs)
-                if delta or (lp and lp["content"]):
-                    yield sse(call.chunk([{"index": k, "delta": {"content": delta}, "logprobs": lp,
-                                           "finish_reason": None}]))
-                reason, matched = _finish(s)
-                if reason:
-                    yield sse(call.chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
-                                           "matched_stop": matched}]))
-        if call.include_usage:
-            yield sse(call.chunk([], call.usage()))
-        yield SSE_DONE
-    except ApiError as e:
-        yield sse(e.body())
-        yield SSE_DONE
-    finally:
-        tm.abort_states(call.states)
+    async for changed in tm.updates(call.states):
+        for s in changed:
+            k = call.index(s)
+            if sent_text[k] < 0:
+                sent_text[k] = 0
+                yield sse(call.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None}]))
+            delta = s.text[sent_text[k]:]
+            sent_text[k] = len(s.text)
+            lp = None
+            if call.logprobs:
+                lp = _chat_logprobs(s.output_token_logprobs[sent_lp[k]:], s.output_top_logprobs[sent_lp[k]:])
+                sent_lp[k] = len(s.output_token_logprobs)
+            if delta or (lp and lp["content"]):
+                yield sse(call.chunk([{"index": k, "delta": {"content": delta}, "logprobs": lp,
+                                       "finish_reason": None}]))
+            reason, matched = _finish(s)
+            if reason:
+                yield sse(call.chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
+                                       "matched_stop": matched}]))

@@ -48,11 +48,9 @@ from tidal.transfer.common import (
     split_addr,
 )
 from tidal.transfer.metadata import decode_record
-from tidal.transfer.poll import KVPoll
+from tidal.transfer.poll import TERMINAL_POLLS, KVPoll
 
 logger = logging.getLogger(__name__)
-
-_TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 def _valid_addr(addr: str) -> bool:
@@ -134,7 +132,7 @@ class DecodeSide:
     def poll(self, st: ReceiverRoom) -> KVPoll:
         now = time.monotonic()
         self._advance(st, now)
-        if st.doomed and st.status not in _TERMINAL and st.status != KVPoll.Bootstrapping:
+        if st.doomed and st.status not in TERMINAL_POLLS and st.status != KVPoll.Bootstrapping:
             self.fail(st, "injected failure (TIDAL_DISAGG_TEST_FAILURE_PROB)")  # the partner is known: told
         if st.status == KVPoll.Failed and not st.fenced:
             return KVPoll.Transferring  # prefill may still write into the pages
@@ -146,7 +144,7 @@ class DecodeSide:
         if not 0 <= metadata_index < self.args.metadata.size:
             problem = f"metadata slot {metadata_index} out of range"
         with self._lock:
-            if st.status in _TERMINAL or st.dst is not None:
+            if st.status in TERMINAL_POLLS or st.dst is not None:
                 return
             if problem is None:
                 st.dst, st.metadata_index, st.init_at = pages, int(metadata_index), time.monotonic()
@@ -158,7 +156,7 @@ class DecodeSide:
         with self._lock:
             if st.status == KVPoll.Failed and from_prefill:
                 return self._fence(st)
-            if st.status in _TERMINAL:
+            if st.status in TERMINAL_POLLS:
                 return
             during_bootstrap = st.status == KVPoll.Bootstrapping
             st.status, st.reason, st.failed_at = KVPoll.Failed, reason, time.monotonic()
@@ -195,7 +193,7 @@ class DecodeSide:
             self._bootstrap_step(st, now)
         if st.status == KVPoll.WaitingForInput and st.dst is not None:
             self._send_info(st)
-        if st.init_at is not None and st.status not in _TERMINAL and now - st.init_at > self.config.waiting_timeout:
+        if st.init_at is not None and st.status not in TERMINAL_POLLS and now - st.init_at > self.config.waiting_timeout:
             self.fail(st, f"waiting timeout: room {st.room} not completed {self.config.waiting_timeout}s after init")
 
     def _bootstrap_step(self, st: ReceiverRoom, now: float) -> None:
@@ -246,7 +244,7 @@ class DecodeSide:
 
     def _on_target_lost(self, t: Target, reason: str) -> None:
         with self._lock:
-            live = [st for st in self._rooms.values() if st.target is t and st.status not in _TERMINAL]
+            live = [st for st in self._rooms.values() if st.target is t and st.status not in TERMINAL_POLLS]
             conn = self._conns.pop(t.endpoint, None) if t.endpoint else None
         for st in live:
             self.fail(st, reason)

@@ -14,6 +14,10 @@ class KVPoll(IntEnum):
     Success = 4
 
 
+# a request's transfer ends in one of these; nothing changes afterwards
+TERMINAL_POLLS = (KVPoll.Success, KVPoll.Failed)
+
+
 class Pollable(Protocol):
     def poll(self) -> KVPoll: ...
 

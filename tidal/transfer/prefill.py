@@ -44,12 +44,10 @@ from tidal.transfer.common import (
     encode_msg,
 )
 from tidal.transfer.metadata import encode_record
-from tidal.transfer.poll import KVPoll
+from tidal.transfer.poll import TERMINAL_POLLS, KVPoll
 from tidal.transfer.workers import TransferWorkers
 
 logger = logging.getLogger(__name__)
-
-_TERMINAL = (KVPoll.Success, KVPoll.Failed)
 
 
 @dataclass
@@ -121,7 +119,7 @@ class PrefillSide:
         return st
 
     def poll(self, st: SenderRoom) -> KVPoll:
-        if st.status not in _TERMINAL:
+        if st.status not in TERMINAL_POLLS:
             if st.doomed and st.status != KVPoll.Bootstrapping:  # the partner is known: told
                 self.fail(st, "injected failure (TIDAL_DISAGG_TEST_FAILURE_PROB)")
             else:
@@ -160,7 +158,7 @@ class PrefillSide:
 
     def fail(self, st: SenderRoom, reason: str, notify: bool = True) -> None:
         with self._lock:
-            if st.status in _TERMINAL:
+            if st.status in TERMINAL_POLLS:
                 return
             during_bootstrap = st.status == KVPoll.Bootstrapping
             st.status, st.reason = KVPoll.Failed, reason
@@ -201,7 +199,7 @@ class PrefillSide:
         if st.status == KVPoll.Bootstrapping and now - st.created > self.config.bootstrap_timeout:
             self.fail(st, f"bootstrap timeout: no destination from decode for room {st.room} "
                           f"after {self.config.bootstrap_timeout}s")
-        elif st.init_at is not None and st.status not in _TERMINAL and now - st.init_at > self.config.waiting_timeout:
+        elif st.init_at is not None and st.status not in TERMINAL_POLLS and now - st.init_at > self.config.waiting_timeout:
             self.fail(st, f"waiting timeout: room {st.room} not completed {self.config.waiting_timeout}s after init")
 
     def _attach(self, st: SenderRoom, dst: Destination) -> None:
