@@ -85,8 +85,8 @@ class ServerArgs:
             raise ValueError(f"--dtype must be one of {DTYPES}")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
-        if self.tp_size != 1:
-            raise ValueError("--tp > 1 is not supported yet")
+        if self.tp_size < 1:
+            raise ValueError("--tp must be >= 1")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:

@@ -12,6 +12,8 @@ from torch import nn
 from tidal.model.attention import TorchNativeAttnBackend
 from tidal.model.config import ModelConfig
 from tidal.model.forward_batch import ForwardBatch
+from tidal.parallel.comm import SingleRank
+from tidal.parallel.sharding import ModelShard
 
 
 class RMSNorm(nn.Module):
@@ -111,6 +113,14 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+def row_parallel(layer: nn.Linear, x: torch.Tensor, tp) -> torch.Tensor:
+    """A linear layer whose input columns are split over ranks: partial products, all-reduced, then the bias."""
+    if tp.size == 1:
+        return layer(x)
+    y = tp.all_reduce(F.linear(x, layer.weight))
+    return y if layer.bias is None else y + layer.bias
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
@@ -118,11 +128,12 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 backend: TorchNativeAttnBackend):
+                 backend: TorchNativeAttnBackend, shard: ModelShard, tp):
         super().__init__()
         self.layer_id = layer_id
-        self.n_heads, self.n_kv, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
+        self.n_heads, self.n_kv, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.tp = [tp]
         self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -140,27 +151,28 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](positions, q, k)
         out = self.backend[0].forward(q, k, v, self.layer_id, fb)  # [T, H*D]
-        return self.o_proj(out)
+        return row_parallel(self.o_proj, out, self.tp[0])
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, shard: ModelShard, tp):
         super().__init__()
-        self.inter = config.intermediate_size
+        self.inter = shard.intermediate_size
+        self.tp = [tp]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp[0])
 
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 backend: TorchNativeAttnBackend):
+                 backend: TorchNativeAttnBackend, shard: ModelShard, tp):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, backend)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, layer_id, rotary, backend, shard, tp)
+        self.mlp = LlamaMLP(config, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -170,16 +182,26 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: TorchNativeAttnBackend, max_positions: int):
+    def __init__(self, config: ModelConfig, backend: TorchNativeAttnBackend, max_positions: int,
+                 shard: ModelShard, tp):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.shard, self.tp = shard, tp
+        self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, backend) for i in range(config.num_layers))
+            LlamaDecoderLayer(config, i, self.rotary, backend, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.shard.vocab_start  # this rank holds rows [start, start + per_rank)
+        mine = (local >= 0) & (local < self.shard.vocab_per_rank)
+        h = self.embed_tokens(local.clamp(0, self.shard.vocab_per_rank - 1))
+        return self.tp.all_reduce(h.masked_fill(~mine[:, None], 0.0))
+
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
-        h = self.embed_tokens(fb.input_ids)
+        h = self.embed(fb.input_ids)
         for layer in self.layers:
             h = layer(fb.positions, h, fb)
         return self.norm(h)
@@ -189,12 +211,14 @@ class LlamaForCausalLM(nn.Module):
     """forward(fb) -> final-normed hidden [T, hidden]; compute_logits(hidden [N, hidden]) -> float32 [N, vocab]."""
 
     def __init__(self, config: ModelConfig, attn_backend: Optional[TorchNativeAttnBackend] = None,
-                 max_positions: Optional[int] = None):
+                 max_positions: Optional[int] = None, tp=None):
         super().__init__()
         self.config = config
+        self.tp = tp or SingleRank()
+        self.shard = ModelShard.of(config, self.tp.rank, self.tp.size)
         self.attn_backend = attn_backend or TorchNativeAttnBackend()
-        self.model = LlamaModel(config, self.attn_backend, max_positions or config.context_length)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.model = LlamaModel(config, self.attn_backend, max_positions or config.context_length, self.shard, self.tp)
+        self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -207,7 +231,10 @@ class LlamaForCausalLM(nn.Module):
         return self.model(fb)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        logits = self.lm_head(hidden).float()
+        if self.tp.size == 1:
+            return logits
+        return self.tp.all_gather(logits, dim=-1)[:, : self.config.vocab_size]
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
@@ -215,6 +242,7 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
         for name, w in weights:
+            w = self.shard.take(name, w, self.config.head_dim)
             target, offset = self._fused_target(name)
             if target not in params:
                 if name == "lm_head.weight" and self.config.tie_word_embeddings:
@@ -230,23 +258,28 @@ class LlamaForCausalLM(nn.Module):
 
     def _fused_target(self, name: str) -> tuple[str, Optional[int]]:
         """Maps an HF parameter name to (our parameter name, row offset inside a fused one)."""
-        c = self.config
-        for part, offset in (("q_proj", 0), ("k_proj", c.q_size), ("v_proj", c.q_size + c.kv_size)):
+        q, kv, inter = self._local_sizes()
+        for part, offset in (("q_proj", 0), ("k_proj", q), ("v_proj", q + kv)):
             if f".self_attn.{part}." in name:
                 return name.replace(part, "qkv_proj"), offset
-        for part, offset in (("gate_proj", 0), ("up_proj", c.intermediate_size)):
+        for part, offset in (("gate_proj", 0), ("up_proj", inter)):
             if f".mlp.{part}." in name:
                 return name.replace(part, "gate_up_proj"), offset
         return name, None
 
+    def _local_sizes(self) -> tuple[int, int, int]:
+        """This rank's q rows, k (= v) rows and intermediate size."""
+        s, d = self.shard, self.config.head_dim
+        return s.num_heads * d, s.num_kv_heads * d, s.intermediate_size
+
     def _check_complete(self, loaded: set[str]) -> None:
         expected: set[str] = set()
+        q, kv, inter = self._local_sizes()
         for name, _ in self.named_parameters():
             if ".qkv_proj." in name:
-                c = self.config
-                expected |= {f"{name}@{o}" for o in (0, c.q_size, c.q_size + c.kv_size)}
+                expected |= {f"{name}@{o}" for o in (0, q, q + kv)}
             elif ".gate_up_proj." in name:
-                expected |= {f"{name}@{o}" for o in (0, self.config.intermediate_size)}
+                expected |= {f"{name}@{o}" for o in (0, inter)}
             else:
                 expected.add(f"{name}@None")
         missing = sorted(expected - loaded)

@@ -41,16 +41,17 @@ def read_model(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                attn_backend: Optional[TorchNativeAttnBackend] = None,
-               context_length: Optional[int] = None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               context_length: Optional[int] = None, tp=None) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds the model without random init (on meta), then fills it from the checkpoint.
 
-    context_length, if given, overrides the config's (it sizes the RoPE cache).
+    context_length, if given, overrides the config's (it sizes the RoPE cache). With a TP
+    communicator `tp`, the model holds this rank's shard of the weights.
     """
     config, weights = read_model(path)
     if context_length:
         config.context_length = int(context_length)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attn_backend=attn_backend)
+        model = LlamaForCausalLM(config, attn_backend=attn_backend, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty may have untied them
     model.model.rotary.build(torch.device(device))  # float32 cache, recomputed for real

@@ -64,33 +64,41 @@ def _free_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs):
+    def __init__(self, args: ServerArgs, tp=None):
+        from tidal.parallel import SingleRank
+
         self.args = args
+        self.tp = tp or SingleRank()
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.page_size = args.page_size
-        torch.set_num_threads(args.torch_threads or _usable_cpus())
+        torch.set_num_threads(args.torch_threads or max(1, _usable_cpus() // self.tp.size))
         self.attn_backend = TorchNativeAttnBackend()
         self.model, self.model_config = load_model(
-            args.model_path, self.dtype, self.device, self.attn_backend, args.context_length)
-        self.max_total_tokens = self._pool_size()
+            args.model_path, self.dtype, self.device, self.attn_backend, args.context_length, tp=self.tp)
+        # every rank must hold the same number of KV slots: the schedulers make the same decisions
+        self.max_total_tokens = int(self.tp.all_gather_ints([self._pool_size()]).min())
         cfg = self.model_config
+        self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         # the shm transfer backend writes into a decode pool in shared memory; any role may
         # become decode at runtime, so the pool is shared whenever that backend is chosen
         shm = args.disaggregation_transfer_backend == "shm" and self.device.type == "cpu"
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, self.page_size, self.dtype,
-            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.device,
+            cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
             shm_name=f"tidal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else None)
-        logger.info("model %s: %s on %s, KV pool %d tokens", args.model_path, self.dtype,
-                    self.device, self.max_total_tokens)
+        logger.info("model %s: %s on %s, KV pool %d tokens%s", args.model_path, self.dtype, self.device,
+                    self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 
     def _pool_size(self) -> int:
         cfg = self.model_config
         if self.args.max_total_tokens:
             tokens = int(self.args.max_total_tokens)
         else:
-            per_token = MHATokenToKVPool.bytes_per_token_for(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+            per_token = MHATokenToKVPool.bytes_per_token_for(
+                cfg.num_layers, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
+            # ranks on one host share its memory: each takes its share of the fraction
+            per_token *= self.tp.size
             # the weights are already resident, so free memory is what is left after them
             tokens = int(self.args.mem_fraction_static * _free_memory_bytes(self.device) / per_token)
             if self.device.type == "cpu":

@@ -5,6 +5,10 @@ A switch runs inside the scheduler loop between iterations, never beside a forwa
 Nothing of the old role is released until the new one is committed, so a failure at any
 step restores the snapshot exactly: the old role keeps serving, its bootstrap server and
 its prefix cache untouched.
+
+With tensor parallelism every rank runs the same switch in the same loop iteration and
+the ranks agree after every step: a step that failed on any rank rolls every rank back,
+and the switch commits only once every rank completed every step.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+import msgspec
+
 from tidal.config import DISAGG_MODES
 from tidal.messages import ModeStatusResp, PrepareModeReq, SwitchModeReq, SwitchModeResp
 
@@ -24,7 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-FAULT_ENV = "TIDAL_SWITCH_FAULT"  # test hook: the step that fails (check, cache, init, bootstrap, commit)
+# test hook: the step that fails (check, cache, init, bootstrap, commit), on every rank, or
+# on one TP rank with STEP@RANK (e.g. init@1)
+FAULT_ENV = "TIDAL_SWITCH_FAULT"
 FAULT_STEPS = ("check", "cache", "init", "bootstrap", "commit")
 
 
@@ -62,7 +70,8 @@ class ModeController:
         self.last_timings_ms: dict = {}
         self.idle_roles: dict[str, Any] = {}  # initialized but inactive (pre-warmed or kept)
         self.pending: Optional[PendingSwitch] = None
-        self.fault_step: Optional[str] = os.environ.get(FAULT_ENV) or None
+        self.tp = sched.tp
+        self.fault_step = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
 
     @property
     def admitting(self) -> bool:
@@ -104,11 +113,19 @@ class ModeController:
             return SwitchModeResp(call_id=msg.call_id, status_code=refusal[0], status="error", message=refusal[1],
                                   current_mode=self.s.role.name, epoch=self.epoch)
         if msg.mode != self.s.role.name and msg.mode not in self.idle_roles:
+            role, error = None, None
             try:
-                self.idle_roles[msg.mode] = self._build_role(msg.mode, activate=False)
+                role = self._build_role(msg.mode, activate=False)
             except Exception as e:
+                error = e
+            failure = self._agree("prepare", error)
+            if failure is None:
+                self.idle_roles[msg.mode] = role
+            else:
+                if role is not None:
+                    role.shutdown()
                 return SwitchModeResp(call_id=msg.call_id, status_code=500, status="error",
-                                      message=f"preparing {msg.mode} failed: {e}", current_mode=self.s.role.name,
+                                      message=f"preparing {msg.mode} failed{failure[0]}", current_mode=self.s.role.name,
                                       epoch=self.epoch)
         return SwitchModeResp(call_id=msg.call_id, status_code=200, status="ok", message=f"{msg.mode} prepared",
                               current_mode=self.s.role.name, epoch=self.epoch)
@@ -123,7 +140,7 @@ class ModeController:
             self.pending = None
             p.timings_ms["drain"] = round(waited * 1000, 3)
             self.s.replies.append(self._switch(p))
-        elif waited > p.msg.timeout_s:
+        elif self._any_rank(waited > p.msg.timeout_s):  # clocks differ: all ranks time out together
             self.pending = None
             self._to_idle()
             self.last_error = f"drain timed out after {p.msg.timeout_s}s"
@@ -137,19 +154,43 @@ class ModeController:
         t0 = time.monotonic()
         self.state = TransitionState.SWITCHING
         old_role, old_cache = s.role, s.mem.tree_cache
-        new_role, new_cache = None, None
-        try:
+        made: dict[str, Any] = {"role": None, "cache": None}
+
+        def check() -> None:
             self._fault("check")
             self._check_quiescent()
-            new_cache = self._cache_for(mode, p.msg.flush_cache)
+
+        def cache() -> None:
+            made["cache"] = self._cache_for(mode, p.msg.flush_cache)
             self._fault("cache")
-            new_role = self.idle_roles.pop(mode, None) or self._build_role(mode, activate=False)
+
+        def init() -> None:
+            made["role"] = self.idle_roles.pop(mode, None) or self._build_role(mode, activate=False)
             self._fault("init")
-            new_role.activate()  # prefill: the bootstrap server starts here (port in use = failure)
+
+        def bootstrap() -> None:
+            # prefill: rank 0 starts the bootstrap server (port in use = failure); after
+            # every rank agreed it is up, every rank registers with it
+            if hasattr(made["role"], "start_bootstrap"):
+                made["role"].start_bootstrap()
+
+        def activate() -> None:
+            made["role"].activate()
             self._fault("bootstrap")
+
+        def commit() -> None:
             self._fault("commit")
-        except Exception as e:
-            return self._rollback(p, e, old_role, old_cache, new_role)
+
+        for step in (check, cache, init, bootstrap, activate, commit):
+            error = None
+            try:
+                step()
+            except Exception as e:
+                error = e
+            failure = self._agree(step.__name__, error)
+            if failure is not None:
+                return self._rollback(p, failure, old_role, old_cache, made["role"])
+        new_role, new_cache = made["role"], made["cache"]
         self._commit(old_role, old_cache, new_role, new_cache)
         p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
         p.timings_ms.setdefault("drain", 0.0)
@@ -194,9 +235,31 @@ class ModeController:
             old_role.shutdown()
         self._to_idle()
 
-    def _rollback(self, p: PendingSwitch, e: Exception, old_role, old_cache, new_role) -> SwitchModeResp:
+    def _agree(self, step: str, error: Optional[Exception]) -> Optional[tuple[str, int]]:
+        """Every rank's outcome of a step: None if all succeeded, else (why, HTTP status) of
+        the lowest failing rank, the same on every rank."""
+        if self.tp.size == 1:
+            if error is None:
+                return None
+            return f": {error}", error.status_code if isinstance(error, SwitchFailed) else 500
+        mine = b"" if error is None else msgspec.json.encode(
+            [str(error), error.status_code if isinstance(error, SwitchFailed) else 500])
+        for rank, outcome in enumerate(self.tp.all_gather_bytes(mine)):
+            if outcome:
+                why, code = msgspec.json.decode(outcome)
+                return f" on TP rank {rank} at step {step!r}: {why}", int(code)
+        return None
+
+    def _any_rank(self, flag: bool) -> bool:
+        if self.tp.size == 1:
+            return flag
+        return bool(self.tp.all_gather_ints([int(flag)]).any())
+
+    def _rollback(self, p: PendingSwitch, failure: tuple[str, int], old_role, old_cache,
+                  new_role) -> SwitchModeResp:
         self.state = TransitionState.ROLLBACK
-        logger.warning("switch to %s failed (%s); rolling back to %s", p.msg.mode, e, old_role.name)
+        why, code = failure
+        logger.warning("switch to %s failed%s; rolling back to %s", p.msg.mode, why, old_role.name)
         if new_role is not None:
             try:
                 new_role.shutdown()
@@ -205,14 +268,14 @@ class ModeController:
         self.s.role = old_role
         if self.s.mem.tree_cache is not old_cache:
             self.s.set_cache(old_cache)
-        self.last_error = f"switch to {p.msg.mode} failed: {e}"
+        self.last_error = f"switch to {p.msg.mode} failed{why}"
         self._to_idle()
-        code = e.status_code if isinstance(e, SwitchFailed) else 500
         return self._reply(p.msg, code, f"{self.last_error}; rolled back, still serving as {old_role.name}")
 
     def _fault(self, step: str) -> None:
         if self.fault_step == step:
-            raise SwitchFailed(f"injected fault at step {step!r}")
+            rank = f" on TP rank {self.tp.rank}" if self.tp.size > 1 else ""
+            raise SwitchFailed(f"injected fault at step {step!r}{rank}")
 
     def _to_idle(self) -> None:
         self.state, self.target = TransitionState.IDLE, None
@@ -241,3 +304,11 @@ class ModeController:
         for role in self.idle_roles.values():
             role.shutdown()
         self.idle_roles.clear()
+
+
+def _fault_for_rank(spec: str, rank: int) -> Optional[str]:
+    """The step TIDAL_SWITCH_FAULT makes fail on this rank: "step" (every rank) or "step@rank"."""
+    step, _, only = spec.partition("@")
+    if not step or (only and int(only) != rank):
+        return None
+    return step

@@ -66,11 +66,11 @@ class DecodeRole:
         self.s.planner.process_result(batch, result)
 
     def _poll_prealloc(self) -> None:
-        from tidal.transfer import KVPoll
+        from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep, blocked = [], False
-        for req in self.prealloc_queue:
-            poll = req.pd.peer.poll()
+        polls = poll_and_all_reduce([r.pd.peer for r in self.prealloc_queue], self.s.tp)  # agreed by every TP rank
+        for req, poll in zip(self.prealloc_queue, polls):
             if poll == KVPoll.Failed:
                 fail_request(self.s, req, failure_reason(req.pd.peer, "KV transfer bootstrap failed"))
             elif poll >= KVPoll.WaitingForInput and not blocked and self._preallocate(req):
@@ -109,11 +109,11 @@ class DecodeRole:
         return True
 
     def _poll_transfer(self) -> None:
-        from tidal.transfer import KVPoll
+        from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep = []
-        for req in self.transfer_queue:
-            poll = req.pd.peer.poll()
+        polls = poll_and_all_reduce([r.pd.peer for r in self.transfer_queue], self.s.tp)  # agreed by every TP rank
+        for req, poll in zip(self.transfer_queue, polls):
             if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests:
                 self._start_decoding(req)
             elif poll == KVPoll.Failed:

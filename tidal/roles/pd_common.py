@@ -44,7 +44,8 @@ class TransferComponents:
         args = sched.args
         self.metadata = MetadataBuffers(METADATA_SLOTS_PER_RUNNING_REQ * args.max_running_requests + 16)
         kv_args = KVArgs(
-            engine_rank=0,
+            engine_rank=sched.tp.rank,  # TP rank r pairs with the partner server's rank r
+            tp_size=sched.tp.size,
             kv_pool=sched.runner.kv_pool,
             metadata=self.metadata,
             page_size=args.page_size,
@@ -54,7 +55,7 @@ class TransferComponents:
         self.manager = create_kv_manager(args.disaggregation_transfer_backend, kv_args, mode, bootstrap_port)
 
     def register(self, bootstrap_port: int) -> None:
-        """Announce this prefill rank to the (just started) bootstrap server."""
+        """Announce this prefill rank to the bootstrap server (rank 0's; retried while it comes up)."""
         self.manager.register(bootstrap_port)  # a no-op for the fake backend
 
     def stats(self) -> dict:

@@ -38,7 +38,8 @@ class PrefillRole:
         self.s = sched
         args = sched.args
         self.bootstrap_port = args.disaggregation_bootstrap_port
-        self.bootstrap_server = BootstrapServer(args.host, self.bootstrap_port)
+        # one bootstrap server per prefill server, run by TP rank 0; every rank registers with it
+        self.bootstrap_server = BootstrapServer(args.host, self.bootstrap_port) if sched.tp.rank == 0 else None
         self.transfer = TransferComponents(sched, "prefill", None)
         self.active = False
         self.bootstrap_queue: list[Req] = []
@@ -76,11 +77,11 @@ class PrefillRole:
         self.s.planner.process_extend_result(batch, result, on_prefilled=self._on_prefilled, on_chunk=self._send_chunk)
 
     def _poll_bootstrap(self) -> None:
-        from tidal.transfer import KVPoll
+        from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep = []
-        for req in self.bootstrap_queue:
-            poll = req.pd.peer.poll()
+        polls = poll_and_all_reduce([r.pd.peer for r in self.bootstrap_queue], self.s.tp)  # agreed by every TP rank
+        for req, poll in zip(self.bootstrap_queue, polls):
             if poll == KVPoll.Failed:
                 fail_request(self.s, req, failure_reason(req.pd.peer, "KV transfer bootstrap failed"))
             elif poll >= KVPoll.WaitingForInput and self._start(req):
@@ -127,11 +128,11 @@ class PrefillRole:
         self.inflight_queue.append(req)
 
     def _poll_inflight(self) -> None:
-        from tidal.transfer import KVPoll
+        from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep = []
-        for req in self.inflight_queue:
-            poll = req.pd.peer.poll()
+        polls = poll_and_all_reduce([r.pd.peer for r in self.inflight_queue], self.s.tp)  # agreed by every TP rank
+        for req, poll in zip(self.inflight_queue, polls):
             if poll == KVPoll.Success:
                 self._release_metadata(req)
                 self.s.mem.release(req)  # the prefix stays in the radix cache
@@ -176,22 +177,31 @@ class PrefillRole:
     def queue_sizes(self) -> dict:
         return {"bootstrap": len(self.bootstrap_queue), "inflight": len(self.inflight_queue)}
 
+    def start_bootstrap(self) -> None:
+        """Rank 0: start the bootstrap server (a taken port raises). Other ranks: nothing."""
+        if self.bootstrap_server is not None and not self.bootstrap_server.running:
+            self.bootstrap_server.start()
+
     def activate(self) -> None:
-        """Start the bootstrap server (a taken port raises) and register this rank with it."""
+        """Start the bootstrap server (rank 0) and register this rank with it."""
         if self.active:
             return
-        self.bootstrap_server.start()
+        self.start_bootstrap()
         try:
             self.transfer.register(self.bootstrap_port)
         except BaseException:
-            self.bootstrap_server.stop()
+            self._stop_bootstrap()
             raise
         self.active = True
 
     def deactivate(self) -> None:
-        if self.active:
+        """Unreachable again: the bootstrap server stops (a half-done activation too)."""
+        self._stop_bootstrap()
+        self.active = False
+
+    def _stop_bootstrap(self) -> None:
+        if self.bootstrap_server is not None:
             self.bootstrap_server.stop()
-            self.active = False
 
     def shutdown(self) -> None:
         self.deactivate()

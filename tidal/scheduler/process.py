@@ -1,4 +1,10 @@
-"""The scheduler process: ZMQ in, one loop, ZMQ out."""
+"""The scheduler process: ZMQ in, one loop, ZMQ out.
+
+With tensor parallelism there is one scheduler process per TP rank. Rank 0 reads the
+API's messages and hands every rank the same list each iteration; every rank then runs
+the same deterministic loop (KV polls and sampled tokens are agreed on through the
+communicator), and only rank 0 answers the API. Any rank may report a fatal error.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,9 @@ import os
 import signal
 import sys
 import traceback
+from typing import Optional
 
+import msgspec
 import zmq
 
 from tidal.config import ServerArgs
@@ -35,44 +43,64 @@ def _die_with_parent() -> None:
             pass
 
 
-def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str) -> None:
+def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int = 0,
+                          tp_comm_name: Optional[str] = None) -> None:
     _die_with_parent()
-    logging.basicConfig(
-        level=args.log_level.upper(), format="[%(asctime)s scheduler] %(levelname)s %(message)s"
-    )
+    who = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
+    logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {who}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     ctx = zmq.Context(1)
-    recv = ctx.socket(zmq.PULL)
-    recv.connect(recv_addr)
+    recv = None
+    if tp_rank == 0:
+        recv = ctx.socket(zmq.PULL)
+        recv.connect(recv_addr)
     send = ctx.socket(zmq.PUSH)
     send.connect(send_addr)
+    comm = None
     try:
-        sched = build_scheduler(args)
+        comm = make_comm(args, tp_rank, tp_comm_name)
+        sched = build_scheduler(args, comm)
+        comm.all_gather_ints([1])  # every rank built its part before rank 0 says ready
     except Exception as e:  # report why we could not start, then exit non-zero
         logger.error("scheduler failed to start: %s", e)
-        send.send(encode(SchedulerError(message=f"{type(e).__name__}: {e}\n{traceback.format_exc()}")))
+        if comm is not None:
+            comm.abort()
+        send.send(encode(SchedulerError(message=f"{who}: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
         send.close(linger=2000)
         sys.exit(1)
-    send.send(encode(ready_message(sched)))
+    if tp_rank == 0:
+        send.send(encode(ready_message(sched)))
     try:
         SchedulerLoop(sched, recv, send).run()
     except Exception as e:
         logger.exception("scheduler crashed")
-        send.send(encode(SchedulerError(message=f"scheduler crashed: {type(e).__name__}: {e}")))
+        comm.abort()  # the other ranks' next collective fails at once instead of timing out
+        send.send(encode(SchedulerError(message=f"{who} crashed: {type(e).__name__}: {e}")))
         send.close(linger=2000)
         sched.shutdown()
         os._exit(1)
     finally:  # SIGTERM arrives as SystemExit: release sockets, threads, shared memory
         sched.shutdown()
+        comm.close()
 
 
-def build_scheduler(args: ServerArgs):
+def make_comm(args: ServerArgs, tp_rank: int, tp_comm_name: Optional[str]):
+    from tidal.parallel import ShmComm, SingleRank
+
+    if args.tp_size == 1:
+        return SingleRank()
+    if tp_comm_name is None:
+        raise ValueError("--tp > 1 needs the launcher's shared communicator segment")
+    return ShmComm(tp_comm_name, tp_rank, args.tp_size, timeout_s=args.watchdog_timeout)
+
+
+def build_scheduler(args: ServerArgs, comm=None):
     from tidal.model.runner import ModelRunner
     from tidal.model.tokenizer import load_tokenizer
     from tidal.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args)
+    runner = ModelRunner(args, comm)
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
     return Scheduler(args, runner, tokenizer)
 
@@ -92,31 +120,47 @@ def ready_message(sched) -> SchedulerReady:
 
 
 class SchedulerLoop:
-    def __init__(self, sched, recv: zmq.Socket, send: zmq.Socket):
+    """recv is rank 0's socket from the API (None on other ranks)."""
+
+    def __init__(self, sched, recv: Optional[zmq.Socket], send: zmq.Socket):
         self.sched = sched
+        self.tp = sched.tp
         self.recv = recv
         self.send = send
         self.poller = zmq.Poller()
-        self.poller.register(recv, zmq.POLLIN)
+        if recv is not None:
+            self.poller.register(recv, zmq.POLLIN)
 
     def run(self) -> None:
         while True:
-            self._drain_inbox()
+            for frame in self._inbox():
+                self.sched.handle(decode_to_scheduler(frame))
             did_work = self.sched.step()
             self._flush()
             if not did_work:
                 self._on_idle()
 
-    def _drain_inbox(self) -> None:
+    def _inbox(self) -> list[bytes]:
+        """This iteration's messages: what rank 0 read, the same on every rank."""
+        frames = self._read_all() if self.recv is not None else []
+        if self.tp.size == 1:
+            return frames
+        mine = _FRAMES.encode(frames) if self.tp.rank == 0 else None
+        return _FRAMES_DECODER.decode(self.tp.broadcast_bytes(mine))
+
+    def _read_all(self) -> list[bytes]:
+        frames = []
         while True:
             try:
-                data = self.recv.recv(zmq.NOBLOCK)
+                frames.append(self.recv.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return
-            self.sched.handle(decode_to_scheduler(data))
+                return frames
 
     def _flush(self) -> None:
         outputs = self.sched.take_outbox()
+        if self.tp.rank != 0:  # rank 0 answers for all ranks
+            self.sched.take_replies()
+            return
         if outputs:
             self.send.send(encode(BatchOut(outputs=outputs)))
         for reply in self.sched.take_replies():
@@ -125,4 +169,9 @@ class SchedulerLoop:
     def _on_idle(self) -> None:
         if self.sched.args.enable_integrity_check and self.sched.is_idle():
             self.sched.check_integrity()
-        self.poller.poll(IDLE_POLL_MS)
+        if self.recv is not None:  # other ranks wait for rank 0 in the next broadcast
+            self.poller.poll(IDLE_POLL_MS)
+
+
+_FRAMES = msgspec.msgpack.Encoder()
+_FRAMES_DECODER = msgspec.msgpack.Decoder(list[bytes])

@@ -39,8 +39,11 @@ class Scheduler:
     """Owns every live Req, the KV memory and the runner; the role decides what runs."""
 
     def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None):
+        from tidal.parallel import SingleRank
+
         self.args = args
         self.runner = runner
+        self.tp = getattr(runner, "tp", None) or SingleRank()  # every rank runs this same loop
         cfg = runner.model_config
         self.context_length = args.context_length or cfg.context_length
         self.max_running_requests = args.max_running_requests
@@ -185,6 +188,8 @@ class Scheduler:
             [r.top_logprobs_num if r.return_logprob else 0 for r in reqs],
             any(r.return_logprob for r in reqs),
         )
+        if self.tp.size > 1:  # rank 0's draw, so every rank's requests continue identically
+            out.next_token_ids = self.tp.broadcast_tensor(out.next_token_ids)
         self.stats.on_batch(batch)
         return logits, out
 

@@ -86,7 +86,7 @@ def launch_server(args: ServerArgs, scheduler_target: Optional[Callable] = None)
         return e.code if isinstance(e.code, int) and e.code else 1
     finally:
         if proc:
-            _stop_child(proc[0])
+            proc[0].stop()
         shutil.rmtree(tmpdir, ignore_errors=True)
         for s, h in old.items():
             signal.signal(s, h)
@@ -103,18 +103,46 @@ def _port_unavailable(host: str, port: int) -> Optional[str]:
     return None
 
 
-def _start_child(target: Callable, args: ServerArgs, to_addr: str, from_addr: str) -> multiprocessing.Process:
-    proc = multiprocessing.get_context("spawn").Process(
-        target=target, args=(args, to_addr, from_addr), name="tidal-scheduler")
-    # The child inherits an ignored SIGINT (and Python keeps it ignored), so a terminal
-    # Ctrl-C reaches only this process, which then stops the child in order.
-    prev = signal.signal(signal.SIGINT, signal.SIG_IGN)
-    try:
-        proc.start()
-    finally:
-        signal.signal(signal.SIGINT, prev)
-    logger.info("scheduler process started (pid %d)", proc.pid)
-    return proc
+class SchedulerProcs:
+    """The scheduler processes, one per TP rank; alive only while every one of them is.
+    With TP > 1 it owns the ranks' shared communicator segment."""
+
+    def __init__(self, target: Callable, args: ServerArgs, to_addr: str, from_addr: str):
+        from tidal.parallel import create_segment
+
+        self.comm_name = create_segment(args.tp_size) if args.tp_size > 1 else None
+        self.procs: list[multiprocessing.Process] = []
+        ctx = multiprocessing.get_context("spawn")
+        # The children inherit an ignored SIGINT (and Python keeps it ignored), so a terminal
+        # Ctrl-C reaches only this process, which then stops the children in order.
+        prev = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            for rank in range(args.tp_size):
+                extra = () if self.comm_name is None else (rank, self.comm_name)
+                name = "tidal-scheduler" if args.tp_size == 1 else f"tidal-scheduler-tp{rank}"
+                proc = ctx.Process(target=target, args=(args, to_addr, from_addr, *extra), name=name)
+                proc.start()
+                self.procs.append(proc)
+                logger.info("%s started (pid %d)", name, proc.pid)
+        finally:
+            signal.signal(signal.SIGINT, prev)
+
+    def is_alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        codes = [p.exitcode for p in self.procs if p.exitcode is not None]
+        return codes[0] if codes else None
+
+    def stop(self) -> None:
+        for p in self.procs:
+            _stop_child(p)
+        if self.comm_name is not None:
+            from tidal.parallel import unlink_segment
+
+            unlink_segment(self.comm_name)
+            self.comm_name = None
 
 
 def _stop_child(proc: multiprocessing.Process) -> None:
@@ -142,7 +170,7 @@ async def _main(args: ServerArgs, target: Callable, control: _Control, tmpdir: s
     try:
         push.bind(to_addr)
         pull.bind(from_addr)
-        proc.append(_start_child(target, args, to_addr, from_addr))
+        proc.append(SchedulerProcs(target, args, to_addr, from_addr))
         tok_task = _load_tokenizer_in_thread(args)
         ready = await _wait_ready(pull, proc[0], control, tok_task)
         if isinstance(ready, str):
@@ -184,7 +212,7 @@ def _load_tokenizer_in_thread(args: ServerArgs) -> asyncio.Future:
     return fut
 
 
-async def _wait_ready(pull: Any, proc: multiprocessing.Process, control: _Control,
+async def _wait_ready(pull: Any, proc: SchedulerProcs, control: _Control,
                       tok_task: asyncio.Future) -> Union[SchedulerReady, str]:
     """SchedulerReady (with the tokenizer loaded), or why not."""
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -195,7 +223,7 @@ async def _wait_ready(pull: Any, proc: multiprocessing.Process, control: _Contro
         if tok_task.done() and tok_task.exception() is not None:
             return f"cannot load the tokenizer: {tok_task.exception()!r}"
         if ready is None and not proc.is_alive():
-            return f"the scheduler process exited with code {proc.exitcode} before it was ready"
+            return f"a scheduler process exited with code {proc.exitcode} before it was ready"
         if time.monotonic() > deadline:
             return f"no SchedulerReady within {START_TIMEOUT_S:.0f}s"
         if ready is None and await pull.poll(100):
@@ -212,7 +240,7 @@ async def _wait_ready(pull: Any, proc: multiprocessing.Process, control: _Contro
     return ready
 
 
-async def _serve(args: ServerArgs, ctx: ServerContext, proc: multiprocessing.Process, control: _Control) -> int:
+async def _serve(args: ServerArgs, ctx: ServerContext, proc: SchedulerProcs, control: _Control) -> int:
     config = uvicorn.Config(
         create_app(ctx), host=args.host, port=args.port, log_level=args.log_level.lower(),
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False)
@@ -237,12 +265,12 @@ async def _announce(server: _Server, args: ServerArgs) -> None:
     logger.info("tidal server ready at http://%s:%d", args.host, args.port)
 
 
-async def _watch_scheduler(proc: multiprocessing.Process, tm: TokenizerManager, server: _Server,
+async def _watch_scheduler(proc: SchedulerProcs, tm: TokenizerManager, server: _Server,
                            control: _Control) -> None:
     """If the scheduler dies (or reports an error) while serving: fail requests, exit non-zero."""
     while not server.should_exit:
         if not proc.is_alive():
-            tm.mark_dead(f"scheduler process exited with code {proc.exitcode}")
+            tm.mark_dead(f"a scheduler process exited with code {proc.exitcode}")
         if tm.dead_reason is not None:
             control.scheduler_died = control.signum is None
             logger.error("scheduler is gone (%s); shutting down", tm.dead_reason)

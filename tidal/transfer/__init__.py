@@ -4,8 +4,8 @@ Contract (everything the scheduler calls is non-blocking; network and copies run
 background threads):
 
 - `KVPoll(IntEnum)`: Failed=0 < Bootstrapping=1 < WaitingForInput=2 < Transferring=3
-  < Success=4. `poll_and_all_reduce(pollers, group=None)` polls each and, with a
-  torch.distributed group, agrees across ranks with all_reduce MIN.
+  < Success=4. `poll_and_all_reduce(pollers, comm=None)` polls each and, with a
+  TP communicator, agrees across ranks (MIN; a failure on one rank fails all of them).
 - `MetadataBuffers(size, max_top_logprobs=20)`: `alloc() -> int | None`, `free(idx)`,
   `set(idx, MetadataRecord)`, `get(idx) -> MetadataRecord`, `available_size()`.
   `MetadataRecord(output_id, cached_tokens, logprob, top_logprobs_val, top_logprobs_idx,

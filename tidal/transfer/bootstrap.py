@@ -101,6 +101,10 @@ class BootstrapServer:
                 raise RuntimeError(msg) from err
             raise RuntimeError(f"bootstrap server failed to start: {err}") from err
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
     def stop(self) -> None:
         """Stops serving and releases the port; idempotent."""
         thread, loop = self._thread, self._loop
@@ -248,12 +252,13 @@ class BootstrapClient:
     HTTP_TIMEOUT = 1.0
 
     def __init__(self, decode_id: str, endpoint: str, page_size: int, kv_dtype: str, engine_rank: int,
-                 config, on_ready, on_lost):
+                 config, on_ready, on_lost, tp_size: int = 1):
         self.decode_id = decode_id
         self.endpoint = endpoint
         self.page_size = page_size
         self.kv_dtype = kv_dtype
         self.engine_rank = engine_rank
+        self.tp_size = tp_size
         self.config = config
         self._on_ready = on_ready  # (Target) -> None
         self._on_lost = on_lost  # (Target, reason) -> None
@@ -307,7 +312,7 @@ class BootstrapClient:
                 refusal = self._refusal(topo)
                 if refusal:
                     return self._fail(t, refusal)
-                rank = self.engine_rank % max(1, int(topo.get("prefill_attn_tp_size", 1)))
+                rank = self.engine_rank
                 status, reg = http_json("GET", t.addr, f"/route?engine_rank={rank}&target_dp_group=0&target_pp_rank=0",
                                         timeout=self.HTTP_TIMEOUT)
             if status == 200:
@@ -330,6 +335,9 @@ class BootstrapClient:
         kv_dtype = topo.get("prefill_kv_dtype")
         if kv_dtype != self.kv_dtype:
             return f"refusing to pair: prefill kv dtype {kv_dtype!r} != decode kv dtype {self.kv_dtype!r}"
+        tp = topo.get("prefill_attn_tp_size", 1)
+        if tp != self.tp_size:  # each rank holds different KV heads: ranks pair one to one
+            return f"refusing to pair: prefill TP size {tp} != decode TP size {self.tp_size}"
         return None
 
     def _ready(self, t: Target, reg: dict) -> None:

@@ -108,7 +108,8 @@ class DecodeSide:
         self.transport = transport
         self.control = control
         self.client = BootstrapClient(self.decode_id, control.endpoint, self.args.page_size, self.args.kv_dtype,
-                                      self.args.engine_rank, self.config, self._on_target_ready, self._on_target_lost)
+                                      self.args.engine_rank, self.config, self._on_target_ready, self._on_target_lost,
+                                      tp_size=self.args.tp_size)
 
     # ---- scheduler thread
 
