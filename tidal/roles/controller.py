@@ -30,8 +30,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# test hook: the step that fails (check, cache, init, bootstrap, commit), on every rank, or
-# on one TP rank with STEP@RANK (e.g. init@1)
+# test hook: the step that fails (check, cache, init, bootstrap, commit): STEP[@RANK][>MODE],
+# e.g. "init" (every rank, every switch), "init@1" (TP rank 1 only), "init@1>null" (only
+# switches to null)
 FAULT_ENV = "TIDAL_SWITCH_FAULT"
 FAULT_STEPS = ("check", "cache", "init", "bootstrap", "commit")
 
@@ -71,7 +72,7 @@ class ModeController:
         self.idle_roles: dict[str, Any] = {}  # initialized but inactive (pre-warmed or kept)
         self.pending: Optional[PendingSwitch] = None
         self.tp = sched.tp
-        self.fault_step = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
+        self.fault_step, self.fault_mode = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
 
     @property
     def admitting(self) -> bool:
@@ -273,7 +274,7 @@ class ModeController:
         return self._reply(p.msg, code, f"{self.last_error}; rolled back, still serving as {old_role.name}")
 
     def _fault(self, step: str) -> None:
-        if self.fault_step == step:
+        if self.fault_step == step and self.fault_mode in (None, self.target):
             rank = f" on TP rank {self.tp.rank}" if self.tp.size > 1 else ""
             raise SwitchFailed(f"injected fault at step {step!r}{rank}")
 
@@ -306,9 +307,10 @@ class ModeController:
         self.idle_roles.clear()
 
 
-def _fault_for_rank(spec: str, rank: int) -> Optional[str]:
-    """The step TIDAL_SWITCH_FAULT makes fail on this rank: "step" (every rank) or "step@rank"."""
+def _fault_for_rank(spec: str, rank: int) -> tuple[Optional[str], Optional[str]]:
+    """(step, target mode or None = any) that TIDAL_SWITCH_FAULT makes fail on this rank."""
+    spec, _, mode = spec.partition(">")
     step, _, only = spec.partition("@")
     if not step or (only and int(only) != rank):
-        return None
-    return step
+        return None, None
+    return step, mode or None

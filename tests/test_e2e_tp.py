@@ -1,0 +1,137 @@
+"""Tensor-parallel servers (`--tp 3`: one scheduler process per rank) on the real model:
+outputs equal a single-rank server's, two TP servers switch roles and pair rank to rank
+with outputs equal to null mode, a switch failing on one rank rolls all ranks back, a
+TP-size mismatch is refused clearly, and a dead rank takes the server down cleanly."""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import os
+import random
+import signal
+import time
+
+import httpx
+import psutil
+import pytest
+
+from servers import Server, free_port
+
+pytestmark = pytest.mark.timeout(900)
+
+PROMPTS = ["The capital of France is", "def add(a, b):", "Water boils at"]
+N = 10
+
+
+def tp_server(*extra: str, env: dict | None = None, bport: int | None = None) -> Server:
+    return Server("--tp", "3", "--torch-threads", "1", "--enable-dynamic-disaggregation",
+                  "--disaggregation-transfer-backend", "tcp", "--disaggregation-bootstrap-port",
+                  str(bport or free_port()), "--chunked-prefill-size", "32", "--enable-integrity-check", *extra,
+                  env=env)
+
+
+def gen(url: str, text: str, n: int = N, **fields) -> dict:
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}, **fields}
+    r = httpx.post(url + "/generate", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def switch(url: str, mode: str) -> httpx.Response:
+    return httpx.post(url + "/admin/switch_disaggregation_mode", json={"mode": mode}, timeout=120)
+
+
+
+def pd_gen(prefill: Server, decode: Server, text: str) -> list[int]:
+    fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": prefill.bport, "bootstrap_room": random.randrange(2**63)}
+    with cf.ThreadPoolExecutor(2) as pool:
+        fp = pool.submit(gen, prefill.url, text, N, **fields)
+        fd = pool.submit(gen, decode.url, text, N, **fields)
+        assert fp.result()["meta_info"]["completion_tokens"] == 1
+        return fd.result()["output_ids"]
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Greedy tokens of a single-rank null server."""
+    s = Server("--torch-threads", "1")
+    try:
+        yield {p: gen(s.url, p)["output_ids"] for p in PROMPTS}
+    finally:
+        s.stop()
+
+
+@pytest.fixture(scope="module")
+def tp_pair():
+    a_port, b_port = free_port(), free_port()
+    a = tp_server(bport=a_port)
+    b = tp_server(bport=b_port, env={"TIDAL_SWITCH_FAULT": "init@1>null"})  # b cannot return to null
+    a.bport, b.bport = a_port, b_port
+    yield a, b
+    for s in (a, b):
+        assert s.stop() == 0
+
+
+def status(s: Server) -> dict:
+    return httpx.get(s.url + "/admin/disaggregation_status", timeout=30).json()
+
+
+def test_tp3_null_outputs_equal_single_rank(tp_pair, reference):
+    a, _ = tp_pair
+    for p in PROMPTS:
+        assert gen(a.url, p)["output_ids"] == reference[p]
+    body = {"model": "default", "prompt": PROMPTS[0], "max_tokens": N, "temperature": 0, "stream": True}
+    with httpx.stream("POST", a.url + "/v1/completions", json=body, timeout=300) as r:
+        chunks = [line for line in r.iter_lines() if line.startswith("data: {")]
+    assert len(chunks) >= N
+    info = httpx.get(a.url + "/server_info", timeout=30).json()
+    assert info["tp_size"] == 3
+
+
+def test_tp_servers_switch_pair_rank_to_rank_and_roll_back_on_one_rank(tp_pair, reference):
+    a, b = tp_pair
+    assert switch(a.url, "prefill").status_code == 200                   # null -> prefill
+    assert switch(b.url, "decode").status_code == 200                    # null -> decode
+    for p in PROMPTS:
+        assert pd_gen(a, b, p) == reference[p]
+    r = switch(b.url, "null")                                            # fails on TP rank 1 only
+    assert r.status_code == 500 and "TP rank 1" in r.json()["message"] and "rolled back" in r.json()["message"]
+    st = status(b)
+    assert (st["current_mode"], st["epoch"], st["transition_state"]) == ("decode", 1, "IDLE")
+    assert pd_gen(a, b, PROMPTS[1]) == reference[PROMPTS[1]]             # every rank still decodes
+    assert switch(a.url, "decode").status_code == 200                    # prefill -> decode
+    assert switch(b.url, "prefill").status_code == 200                   # decode -> prefill
+    for p in PROMPTS:
+        assert pd_gen(b, a, p) == reference[p]
+    assert switch(a.url, "null").status_code == 200                      # decode -> null
+    assert [gen(a.url, p)["output_ids"] for p in PROMPTS] == [reference[p] for p in PROMPTS]
+    assert status(a)["epoch"] == 3 and status(b)["epoch"] == 2
+
+
+def test_tp_size_mismatch_is_refused_clearly(tp_pair):
+    _, b = tp_pair
+    if status(b)["current_mode"] != "prefill":  # it is when the test above ran
+        assert switch(b.url, "prefill").status_code == 200
+    single = Server("--torch-threads", "1", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
+                    "tcp")
+    try:
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": b.bport, "bootstrap_room": random.randrange(2**63)}
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}, **fields}
+        # the decode side checks the prefill topology before anything is sent
+        d = httpx.post(single.url + "/generate", json=body, timeout=300)
+        assert d.status_code >= 500 and "prefill TP size 3 != decode TP size 1" in d.text
+    finally:
+        single.stop()
+
+
+def test_a_dead_rank_stops_the_server_with_an_error():
+    s = tp_server()
+    ranks = [c for c in psutil.Process(s.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+    assert len(ranks) == 3
+    os.kill(ranks[2].pid, signal.SIGKILL)
+    deadline = time.time() + 60
+    while s.proc.poll() is None and time.time() < deadline:
+        time.sleep(0.2)
+    assert s.proc.returncode not in (None, 0)
+    assert all(not r.is_running() or r.status() == psutil.STATUS_ZOMBIE for r in ranks)
+    s.stop()
