@@ -58,6 +58,10 @@ class TransferComponents:
         """Announce this prefill rank to the bootstrap server (rank 0's; retried while it comes up)."""
         self.manager.register(bootstrap_port)  # a no-op for the fake backend
 
+    def forget_registration(self) -> None:
+        if hasattr(self.manager, "forget_registration"):
+            self.manager.forget_registration()
+
     def stats(self) -> dict:
         return self.manager.stats()
 

@@ -195,8 +195,13 @@ class PrefillRole:
         self.active = True
 
     def deactivate(self) -> None:
-        """Unreachable again: the bootstrap server stops (a half-done activation too)."""
+        """Unreachable again: the bootstrap server stops (a half-done activation too).
+
+        Every rank's registration lives in rank 0's bootstrap server and goes with it, so
+        no rank deregisters: with TP, rank 0 may already have stopped it, and a DELETE to
+        a closing server would wait out its timeout."""
         self._stop_bootstrap()
+        self.transfer.forget_registration()
         self.active = False
 
     def _stop_bootstrap(self) -> None:

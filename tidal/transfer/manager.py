@@ -123,6 +123,10 @@ class KVManager(BaseKVManager):
 
     _register = register  # the name the first role integration used
 
+    def forget_registration(self) -> None:
+        """The bootstrap server went away with our registration in it: nothing to deregister."""
+        self._bootstrap = None
+
     def _deregister(self) -> None:
         host, port = self._bootstrap
         query = f"/route?engine_rank={self.args.engine_rank}&target_dp_group=0&target_pp_rank=0&prefill_id={self.id}"
