@@ -1,7 +1,8 @@
 """Tensor-parallel servers (`--tp 3`: one scheduler process per rank) on the real model:
 outputs equal a single-rank server's, two TP servers switch roles and pair rank to rank
-with outputs equal to null mode, a switch failing on one rank rolls all ranks back, a
-TP-size mismatch is refused clearly, and a dead rank takes the server down cleanly."""
+with outputs equal to null mode (shm backend: every rank's pool in shared memory), a
+switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly,
+and a dead rank takes the server down cleanly."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ N = 10
 
 def tp_server(*extra: str, env: dict | None = None, bport: int | None = None) -> Server:
     return Server("--tp", "3", "--torch-threads", "1", "--enable-dynamic-disaggregation",
-                  "--disaggregation-transfer-backend", "tcp", "--disaggregation-bootstrap-port",
+                  "--disaggregation-transfer-backend", "shm", "--disaggregation-bootstrap-port",
                   str(bport or free_port()), "--chunked-prefill-size", "32", "--enable-integrity-check", *extra,
                   env=env)
 
@@ -113,7 +114,7 @@ def test_tp_size_mismatch_is_refused_clearly(tp_pair):
     if status(b)["current_mode"] != "prefill":  # it is when the test above ran
         assert switch(b.url, "prefill").status_code == 200
     single = Server("--torch-threads", "1", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-                    "tcp")
+                    "shm")
     try:
         fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": b.bport, "bootstrap_room": random.randrange(2**63)}
         body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}, **fields}

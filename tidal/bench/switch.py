@@ -99,12 +99,23 @@ def bench_drain(url: str, concurrency: int, n_tokens: int, key: Optional[str], r
             "switch_ms": {"p50": _pct(switches, 50), "max": max(switches)}}
 
 
-def _scheduler_pid(server_pid: int) -> int:
-    """The server's largest child: the scheduler (not multiprocessing's resource tracker)."""
+def _scheduler_pids(server_pid: int) -> list[int]:
+    """The server's scheduler processes, one per TP rank (not multiprocessing's resource tracker)."""
     children = subprocess.run(["pgrep", "-P", str(server_pid)], capture_output=True, text=True).stdout.split()
-    if not children:
-        return server_pid
-    return max((int(c) for c in children), key=lambda c: _proc_sample(c)["rss_mb"])
+    ranks = []
+    for c in children:
+        with open(f"/proc/{c}/cmdline", "rb") as f:
+            cmd = f.read()
+        if b"spawn_main" in cmd and b"resource_tracker" not in cmd:
+            ranks.append(int(c))
+    return sorted(ranks) or [server_pid]
+
+
+def _sample(pids: list[int]) -> dict:
+    """Threads, fds and RSS summed over the scheduler ranks, and per rank."""
+    per_rank = [_proc_sample(p) for p in pids]
+    total = {k: sum(r[k] for r in per_rank) for k in ("threads", "fds", "rss_mb")}
+    return {**total, "per_rank": per_rank} if len(pids) > 1 else total
 
 
 def _proc_sample(pid: int) -> dict:
@@ -115,7 +126,7 @@ def _proc_sample(pid: int) -> dict:
 
 
 def bench_soak(url: str, cycles: int, server_pid: int, key: Optional[str]) -> dict:
-    pid = _scheduler_pid(server_pid)
+    pids = _scheduler_pids(server_pid)
     if current_mode(url) != "null":
         switch(url, "null", key)
     samples, t0 = [], time.time()
@@ -123,7 +134,7 @@ def bench_soak(url: str, cycles: int, server_pid: int, key: Optional[str]) -> di
         for mode in ("prefill", "decode", "null"):
             switch(url, mode, key)
         if i % max(cycles // 20, 1) == 0 or i == cycles - 1:
-            samples.append({"cycle": i + 1, **_proc_sample(pid)})
+            samples.append({"cycle": i + 1, **_sample(pids)})
     warm = samples[1] if len(samples) > 1 else samples[0]
     return {"cycles": cycles, "seconds": time.time() - t0, "first": samples[0], "after_warmup": warm,
             "last": samples[-1], "samples": samples}

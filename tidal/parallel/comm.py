@@ -39,6 +39,10 @@ class TPCommError(RuntimeError):
     """A peer rank is gone, aborted, or did not arrive in time."""
 
 
+class PeerAborted(TPCommError):
+    """Another rank called abort(): it failed and reports why itself."""
+
+
 class SingleRank:
     """TP size 1: every collective is the identity."""
 
@@ -130,7 +134,7 @@ class ShmComm:
         spin_until, deadline, sleep = start + SPIN_S, start + self.timeout_s, 0.00005
         while min(seqs) < seq:
             if self._abort[0]:
-                raise TPCommError("a peer TP rank aborted")
+                raise PeerAborted("a peer TP rank aborted")
             now = time.monotonic()
             if now < spin_until:
                 os.sched_yield()

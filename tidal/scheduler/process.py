@@ -64,9 +64,10 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
         comm.all_gather_ints([1])  # every rank built its part before rank 0 says ready
     except Exception as e:  # report why we could not start, then exit non-zero
         logger.error("scheduler failed to start: %s", e)
+        if not _peer_aborted(e):  # the rank that failed reports; its peers only stop
+            send.send(encode(SchedulerError(message=f"{who}: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
         if comm is not None:
             comm.abort()
-        send.send(encode(SchedulerError(message=f"{who}: {type(e).__name__}: {e}\n{traceback.format_exc()}")))
         send.close(linger=2000)
         sys.exit(1)
     if tp_rank == 0:
@@ -75,14 +76,21 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
         SchedulerLoop(sched, recv, send).run()
     except Exception as e:
         logger.exception("scheduler crashed")
+        if not _peer_aborted(e):
+            send.send(encode(SchedulerError(message=f"{who} crashed: {type(e).__name__}: {e}")))
         comm.abort()  # the other ranks' next collective fails at once instead of timing out
-        send.send(encode(SchedulerError(message=f"{who} crashed: {type(e).__name__}: {e}")))
         send.close(linger=2000)
         sched.shutdown()
         os._exit(1)
     finally:  # SIGTERM arrives as SystemExit: release sockets, threads, shared memory
         sched.shutdown()
         comm.close()
+
+
+def _peer_aborted(e: BaseException) -> bool:
+    from tidal.parallel import PeerAborted
+
+    return isinstance(e, PeerAborted)
 
 
 def make_comm(args: ServerArgs, tp_rank: int, tp_comm_name: Optional[str]):

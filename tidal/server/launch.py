@@ -117,15 +117,21 @@ class SchedulerProcs:
         # Ctrl-C reaches only this process, which then stops the children in order.
         prev = signal.signal(signal.SIGINT, signal.SIG_IGN)
         try:
-            for rank in range(args.tp_size):
-                extra = () if self.comm_name is None else (rank, self.comm_name)
-                name = "tidal-scheduler" if args.tp_size == 1 else f"tidal-scheduler-tp{rank}"
-                proc = ctx.Process(target=target, args=(args, to_addr, from_addr, *extra), name=name)
-                proc.start()
-                self.procs.append(proc)
-                logger.info("%s started (pid %d)", name, proc.pid)
+            self._start(target, args, to_addr, from_addr, ctx)
+        except BaseException:
+            self.stop()  # the ranks already started and the segment
+            raise
         finally:
             signal.signal(signal.SIGINT, prev)
+
+    def _start(self, target: Callable, args: ServerArgs, to_addr: str, from_addr: str, ctx) -> None:
+        for rank in range(args.tp_size):
+            extra = () if self.comm_name is None else (rank, self.comm_name)
+            name = "tidal-scheduler" if args.tp_size == 1 else f"tidal-scheduler-tp{rank}"
+            proc = ctx.Process(target=target, args=(args, to_addr, from_addr, *extra), name=name)
+            proc.start()
+            self.procs.append(proc)
+            logger.info("%s started (pid %d)", name, proc.pid)
 
     def is_alive(self) -> bool:
         return all(p.is_alive() for p in self.procs)
@@ -136,6 +142,9 @@ class SchedulerProcs:
         return codes[0] if codes else None
 
     def stop(self) -> None:
+        for p in self.procs:  # all at once: a rank waiting for a stopped peer need not time out
+            if p.is_alive():
+                p.terminate()
         for p in self.procs:
             _stop_child(p)
         if self.comm_name is not None:
