@@ -127,12 +127,17 @@ def test_tp_size_mismatch_is_refused_clearly(tp_pair):
 
 def test_a_dead_rank_stops_the_server_with_an_error():
     s = tp_server()
-    ranks = [c for c in psutil.Process(s.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
-    assert len(ranks) == 3
-    os.kill(ranks[2].pid, signal.SIGKILL)
-    deadline = time.time() + 60
-    while s.proc.poll() is None and time.time() < deadline:
-        time.sleep(0.2)
-    assert s.proc.returncode not in (None, 0)
-    assert all(not r.is_running() or r.status() == psutil.STATUS_ZOMBIE for r in ranks)
-    s.stop()
+    try:
+        ranks = [c for c in psutil.Process(s.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 3
+        pools = [n for n in os.listdir("/dev/shm") if n.startswith(f"tidal-kv-{s.proc.pid}-")]
+        assert len(pools) == 3  # the shm backend: each rank's KV pool in shared memory
+        os.kill(ranks[2].pid, signal.SIGKILL)
+        deadline = time.time() + 60
+        while s.proc.poll() is None and time.time() < deadline:
+            time.sleep(0.2)
+        assert s.proc.returncode not in (None, 0)
+        assert all(not r.is_running() or r.status() == psutil.STATUS_ZOMBIE for r in ranks)
+        assert not [n for n in os.listdir("/dev/shm") if n.startswith(f"tidal-kv-{s.proc.pid}-")]
+    finally:
+        s.stop()

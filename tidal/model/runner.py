@@ -21,6 +21,12 @@ CPU_MAX_TOTAL_TOKENS = 1 << 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
+def kv_shm_prefix(server_pid: int) -> str:
+    """Names of the shared KV pools of a server's scheduler ranks (the parent is the API
+    process, which removes what a killed rank could not)."""
+    return f"tidal-kv-{server_pid}-"
+
+
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -86,7 +92,7 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
-            shm_name=f"tidal-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else None)
+            shm_name=f"{kv_shm_prefix(os.getppid())}{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else None)
         logger.info("model %s: %s on %s, KV pool %d tokens%s", args.model_path, self.dtype, self.device,
                     self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 

@@ -152,6 +152,20 @@ class SchedulerProcs:
 
             unlink_segment(self.comm_name)
             self.comm_name = None
+        _remove_leftover_kv_pools()
+
+
+def _remove_leftover_kv_pools() -> None:
+    """A rank killed with SIGKILL cannot unlink its shared KV pool; its parent can."""
+    from tidal.model.runner import kv_shm_prefix
+
+    prefix = kv_shm_prefix(os.getpid())
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/dev/shm"):
+            if name.startswith(prefix):
+                logger.warning("removing the shared KV pool /dev/shm/%s of a scheduler that did not", name)
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join("/dev/shm", name))
 
 
 def _stop_child(proc: multiprocessing.Process) -> None:
