@@ -59,7 +59,7 @@ class MHATokenToKVPool:
         if self.device.type != "cpu":
             raise ValueError("a shared-memory KV pool must be on the CPU")
         per_layer = total * self.num_kv_heads * self.head_dim
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         path = os.path.join("/dev/shm", name)
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
@@ -98,10 +98,10 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
     def bytes_per_token(self) -> int:
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        elem = torch.tensor([], dtype=dtype).element_size()
+        elem = dtype.itemsize
         return 2 * num_layers * num_kv_heads * head_dim * elem

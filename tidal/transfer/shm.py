@@ -36,7 +36,7 @@ class _Mapping:
     def __init__(self, info: dict, dtype: torch.dtype, page_size: int):
         fd = os.open(info["path"], os.O_RDWR)  # no O_CREAT: a vanished pool is an error, not a new file
         try:
-            elem = torch.tensor([], dtype=dtype).element_size()
+            elem = dtype.itemsize
             numel = info["nbytes"] // elem
             if os.fstat(fd).st_size < info["nbytes"]:
                 raise RuntimeError(f"{info['path']} is smaller than the decode pool")
