@@ -22,7 +22,7 @@ from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
 from tidal.router.policies import Policy
-from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry
+from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
 
 logger = logging.getLogger(__name__)
 
@@ -171,11 +171,13 @@ class Dispatcher:
         prefills, decodes, nulls = reg.pool(PREFILL), reg.pool(DECODE), reg.pool(NULL)
         if self.cfg.enforce_disaggregation:
             nulls = []
-        pd_ok = bool(prefills and decodes)
+        pairable = [p for p in prefills if any(can_pair(p, d) for d in decodes)]
+        pd_ok = bool(pairable)
         if nulls and pd_ok:  # both paths: join the shorter queue, ties to the whole path (no transfer)
             pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
         if pd_ok:
-            return "pd", self._pick(prefills, PREFILL, text, tried), self._pick(decodes, DECODE, text, tried)
+            p = self._pick(pairable, PREFILL, text, tried)
+            return "pd", p, self._pick([d for d in decodes if can_pair(p, d)], DECODE, text, tried)
         if nulls:
             return "whole", self._pick(nulls, NULL, text, tried), None
         if decodes and not prefills and not self.cfg.enforce_disaggregation:

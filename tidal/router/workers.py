@@ -77,6 +77,7 @@ class Worker:
     last_error: Optional[str] = None
     switching: bool = False  # being moved to another role: in no pool meanwhile
     reports_epoch: bool = False  # a tidal worker: requests carry X-Tidal-Expected-Mode
+    tp_size: Optional[int] = None  # from /server_info; None: unknown (pairs with anything)
 
     def __post_init__(self) -> None:
         self.configured_role = self.configured_role or self.mode
@@ -95,6 +96,11 @@ class Worker:
         d["role"] = self.mode
         d["load_score"] = self.load_score()
         return d
+
+
+def can_pair(prefill: Worker, decode: Worker) -> bool:
+    """tidal pairs prefill and decode TP ranks one to one: the TP sizes must match when known."""
+    return prefill.tp_size is None or decode.tp_size is None or prefill.tp_size == decode.tp_size
 
 
 class WorkerRegistry:
@@ -144,7 +150,8 @@ class WorkerRegistry:
                 if w.mode == mode and not w.switching and (w.healthy or not healthy_only)]
 
     def has_pd_path(self) -> bool:
-        return bool(self.pool(PREFILL)) and bool(self.pool(DECODE))
+        decodes = self.pool(DECODE)
+        return any(can_pair(p, d) for p in self.pool(PREFILL) for d in decodes)
 
     def has_usable_path(self, enforce_disaggregation: bool = False) -> bool:
         """A healthy prefill+decode pair, or (unless enforced) a worker that takes whole requests."""
@@ -263,6 +270,8 @@ class HealthChecker:
         if not isinstance(info, dict) or info.get("disaggregation_mode") not in MODES:
             return
         epoch = info.get("epoch") if isinstance(info.get("epoch"), int) else None
+        if isinstance(info.get("tp_size"), int):
+            w.tp_size = info["tp_size"]
         bport = info.get("disaggregation_bootstrap_port")
         if self.registry.set_mode(w.url, info["disaggregation_mode"], epoch,
                                   bport if isinstance(bport, int) else None) and epoch is not None:
