@@ -1,8 +1,8 @@
 """Tensor-parallel servers (`--tp 3`: one scheduler process per rank) on the real model:
 outputs equal a single-rank server's, two TP servers switch roles and pair rank to rank
 with outputs equal to null mode (shm backend: every rank's pool in shared memory), a
-switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly,
-and a dead rank takes the server down cleanly."""
+switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly, the router moves TP workers between pools under
+traffic with no failed request, and a dead rank takes the server down cleanly."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ import concurrent.futures as cf
 import os
 import random
 import signal
+import sys
+import threading
 import time
 
 import httpx
@@ -53,13 +55,16 @@ def pd_gen(prefill: Server, decode: Server, text: str) -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def reference():
-    """Greedy tokens of a single-rank null server."""
+def single_rank():
     s = Server("--torch-threads", "1")
-    try:
-        yield {p: gen(s.url, p)["output_ids"] for p in PROMPTS}
-    finally:
-        s.stop()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(single_rank):
+    """Greedy tokens of a single-rank null server."""
+    return {p: gen(single_rank.url, p)["output_ids"] for p in PROMPTS}
 
 
 @pytest.fixture(scope="module")
@@ -123,6 +128,75 @@ def test_tp_size_mismatch_is_refused_clearly(tp_pair):
         assert d.status_code >= 500 and "prefill TP size 3 != decode TP size 1" in d.text
     finally:
         single.stop()
+
+
+class Traffic:
+    """Client threads sending greedy requests through the router until stopped."""
+
+    def __init__(self, url: str, reference: dict[str, list[int]], threads: int = 2):
+        self.url, self.reference = url, reference
+        self.ok, self.failures, self.mismatches = 0, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, i: int) -> None:
+        while not self._stop.is_set():
+            prompt = PROMPTS[i % len(PROMPTS)]
+            i += 1
+            body = {"text": prompt, "sampling_params": {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}}
+            try:
+                r = httpx.post(self.url + "/generate", json=body, timeout=300)
+            except httpx.HTTPError as e:
+                self.failures.append(repr(e))
+                continue
+            if r.status_code != 200:
+                self.failures.append(f"{r.status_code}: {r.text[:300]}")
+            elif r.json()["output_ids"] != self.reference[prompt]:
+                self.mismatches.append(prompt)
+            else:
+                self.ok += 1
+
+    def __enter__(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(300)
+
+
+def test_router_moves_tp_workers_under_traffic(tp_pair, single_rank, reference):
+    """Two TP-3 workers and a single-rank null worker behind the router: TP workers are moved
+    between pools under traffic (a move that fails on one rank leaves the worker where it
+    was), and no client request fails or differs from the reference."""
+    a, b = tp_pair
+    if status(a)["current_mode"] != "null":
+        assert switch(a.url, "null").status_code == 200
+    if status(b)["current_mode"] != "prefill":
+        assert switch(b.url, "prefill").status_code == 200
+    rport = free_port()
+    cmd = [sys.executable, "-m", "tidal.router", "--port", str(rport), "--worker", a.url, b.url, single_rank.url,
+           "--policy", "round_robin", "--health-check-interval-secs", "1", "--max-retries", "5"]
+    router = Server(cmd=cmd, port=rport)
+    moves = [(a, "decode", 200), (b, "null", 500), (a, "prefill", 200), (b, "decode", 200), (a, "null", 200)]
+    try:
+        time.sleep(2)  # the router learns modes and TP sizes
+        with Traffic(router.url, reference) as traffic:
+            time.sleep(2)
+            for worker, mode, code in moves:
+                r = httpx.post(router.url + "/admin/set_worker_role", json={"url": worker.url, "mode": mode},
+                               timeout=300)
+                assert r.status_code == code, r.text
+                time.sleep(2)
+        workers = {w["url"]: w for w in httpx.get(router.url + "/workers", timeout=30).json()["workers"]}
+        assert workers[b.url]["mode"] == "decode" and workers[a.url]["mode"] == "null"
+        assert workers[a.url]["tp_size"] == 3 and workers[single_rank.url]["tp_size"] == 1
+        assert traffic.failures == [] and traffic.mismatches == []
+        assert traffic.ok >= 10
+    finally:
+        router.stop()
 
 
 def test_a_dead_rank_stops_the_server_with_an_error():
