@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from typing import Optional
 
@@ -55,3 +56,43 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+class Traffic:
+    """Client threads sending greedy /generate requests (prompts in turn) until stopped;
+    counts successes, failures and outputs that differ from `reference[prompt]`."""
+
+    def __init__(self, url: str, reference: dict[str, list[int]], max_new_tokens: int, threads: int = 3):
+        self.url, self.reference, self.max_new_tokens = url, reference, max_new_tokens
+        self.prompts = list(reference)
+        self.ok, self.failures, self.mismatches = 0, [], []
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
+
+    def _run(self, k: int) -> None:
+        while not self._stop.is_set():
+            prompt = self.prompts[k % len(self.prompts)]
+            k += 1
+            body = {"text": prompt, "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
+                                                        "ignore_eos": True}}
+            try:
+                r = httpx.post(self.url + "/generate", json=body, timeout=300)
+            except httpx.HTTPError as e:
+                self.failures.append(repr(e))
+                continue
+            if r.status_code != 200:
+                self.failures.append(f"{r.status_code}: {r.text[:300]}")
+            elif r.json()["output_ids"] != self.reference[prompt]:
+                self.mismatches.append(prompt)
+            else:
+                self.ok += 1
+
+    def __enter__(self) -> "Traffic":
+        for t in self._threads:
+            t.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(300)

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, free_port
+from servers import Server, Traffic, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -76,43 +76,6 @@ def test_disabled_switching_is_400():
         s.stop()
 
 
-class Traffic:
-    """Client threads sending greedy requests through the router until stopped."""
-
-    def __init__(self, url: str, reference: dict[str, list[int]], threads: int = 3):
-        self.url, self.reference = url, reference
-        self.ok, self.failures, self.mismatches = 0, [], []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-
-    def _run(self, i: int) -> None:
-        k = i
-        while not self._stop.is_set():
-            prompt = PROMPTS[k % len(PROMPTS)]
-            k += 1
-            try:
-                r = gen(self.url, prompt)
-            except httpx.HTTPError as e:
-                self.failures.append(repr(e))
-                continue
-            if r.status_code != 200:
-                self.failures.append(f"{r.status_code}: {r.text[:300]}")
-            elif r.json()["output_ids"] != self.reference[prompt]:
-                self.mismatches.append(prompt)
-            else:
-                self.ok += 1
-
-    def __enter__(self) -> "Traffic":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(180)
-
-
 def test_router_moves_workers_through_every_direction_under_traffic():
     servers = [dynamic_server() for _ in range(3)]
     a, b, c = (s.url for s in servers)
@@ -124,7 +87,7 @@ def test_router_moves_workers_through_every_direction_under_traffic():
     moves = [(a, "prefill"), (b, "decode"), (a, "decode"), (c, "prefill"), (b, "prefill"), (c, "null"),
              (a, "null"), (b, "null")]
     try:
-        with Traffic(router.url, reference) as traffic:
+        with Traffic(router.url, reference, 16) as traffic:
             time.sleep(2)
             for url, mode in moves:
                 r = httpx.post(router.url + "/admin/set_worker_role", json={"url": url, "mode": mode}, timeout=180)

@@ -1,8 +1,9 @@
 """Tensor-parallel servers (`--tp 3`: one scheduler process per rank) on the real model:
 outputs equal a single-rank server's, two TP servers switch roles and pair rank to rank
 with outputs equal to null mode (shm backend: every rank's pool in shared memory), a
-switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly, the router moves TP workers between pools under
-traffic with no failed request, and a dead rank takes the server down cleanly."""
+switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly,
+the router moves TP workers between pools under traffic with no failed request, and a
+dead rank takes the server down cleanly."""
 
 from __future__ import annotations
 
@@ -11,14 +12,13 @@ import os
 import random
 import signal
 import sys
-import threading
 import time
 
 import httpx
 import psutil
 import pytest
 
-from servers import Server, free_port
+from servers import Server, Traffic, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -130,43 +130,6 @@ def test_tp_size_mismatch_is_refused_clearly(tp_pair):
         single.stop()
 
 
-class Traffic:
-    """Client threads sending greedy requests through the router until stopped."""
-
-    def __init__(self, url: str, reference: dict[str, list[int]], threads: int = 2):
-        self.url, self.reference = url, reference
-        self.ok, self.failures, self.mismatches = 0, [], []
-        self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._run, args=(i,)) for i in range(threads)]
-
-    def _run(self, i: int) -> None:
-        while not self._stop.is_set():
-            prompt = PROMPTS[i % len(PROMPTS)]
-            i += 1
-            body = {"text": prompt, "sampling_params": {"max_new_tokens": N, "temperature": 0.0, "ignore_eos": True}}
-            try:
-                r = httpx.post(self.url + "/generate", json=body, timeout=300)
-            except httpx.HTTPError as e:
-                self.failures.append(repr(e))
-                continue
-            if r.status_code != 200:
-                self.failures.append(f"{r.status_code}: {r.text[:300]}")
-            elif r.json()["output_ids"] != self.reference[prompt]:
-                self.mismatches.append(prompt)
-            else:
-                self.ok += 1
-
-    def __enter__(self) -> "Traffic":
-        for t in self._threads:
-            t.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(300)
-
-
 def test_router_moves_tp_workers_under_traffic(tp_pair, single_rank, reference):
     """Two TP-3 workers and a single-rank null worker behind the router: TP workers are moved
     between pools under traffic (a move that fails on one rank leaves the worker where it
@@ -183,7 +146,7 @@ def test_router_moves_tp_workers_under_traffic(tp_pair, single_rank, reference):
     moves = [(a, "decode", 200), (b, "null", 500), (a, "prefill", 200), (b, "decode", 200), (a, "null", 200)]
     try:
         time.sleep(2)  # the router learns modes and TP sizes
-        with Traffic(router.url, reference) as traffic:
+        with Traffic(router.url, reference, N, threads=2) as traffic:
             time.sleep(2)
             for worker, mode, code in moves:
                 r = httpx.post(router.url + "/admin/set_worker_role", json={"url": worker.url, "mode": mode},
