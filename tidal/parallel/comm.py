@@ -2,9 +2,9 @@
 
 `ShmComm` exchanges data through one POSIX shared-memory segment. Every collective is
 one round of "write my slot, publish my sequence number, wait until every rank
-published it, read every slot". Measured on this 2-core host (tp 2 / 3, [4, 576]
-float32 all-reduce): gloo 2.0-2.8 ms, this ~20 us (2 ranks) to ~100 us (3); the model does two all-reduces
-per layer, so gloo would cost more than the forward pass itself.
+published it, read every slot". Measured on this 2-core host ([4, 576] float32
+all-reduce): gloo 2.0-2.8 ms, this ~20 us (2 ranks) to ~100 us (3 ranks); the model does
+two all-reduces per layer, so gloo would cost more than the forward pass itself.
 
 Reductions add the ranks' slots in rank order on every rank, so every rank gets the
 same bits: ranks that sample, schedule and poll from the same numbers stay in step.
