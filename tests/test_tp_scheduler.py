@@ -13,6 +13,7 @@ import time
 import pytest
 
 from fakes import FakeModelRunner, reference_generate
+from servers import free_port
 from tidal.config import ServerArgs
 from tidal.messages import AbortReq, GenerateReq, SwitchModeReq
 from tidal.sampling_params import SamplingParams
@@ -23,12 +24,6 @@ from tp_ranks import RankGroup
 pytestmark = pytest.mark.timeout(180)
 TP = 2
 _calls = itertools.count(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def server(port: int, mode: str = "null", **kw) -> RankGroup:
@@ -122,9 +117,8 @@ def pair():
 
 
 def test_tp_ranks_agree_and_outputs_are_exact(pair):
-    a, _, _, _ = pair
-    serve_colocated(a, n=5)
-    g = a
+    g, _, _, _ = pair
+    serve_colocated(g, n=5)
     g.handle(GenerateReq(rid="x", input_ids=[5, 6, 7], sampling=SamplingParams(max_new_tokens=200, temperature=0)))
     g.each(lambda s: s.step())
     g.handle(AbortReq(rid="x"))

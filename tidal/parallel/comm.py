@@ -115,16 +115,20 @@ class ShmComm:
 
     # ---- the one primitive
 
-    def _exchange(self, payload: np.ndarray) -> np.ndarray:
-        """Every rank's payload (uint8, <= slot_bytes, same length on all ranks) as a
-        [size, n] view of shared memory, valid until this rank's next-but-one collective."""
-        n = payload.nbytes
+    def _publish(self, payload: np.ndarray) -> np.ndarray:
+        """Write this rank's payload (uint8, <= slot_bytes), publish it, wait for every rank;
+        the [size, slot_bytes] buffer of this collective, valid until this rank's
+        next-but-one collective."""
         self._seq += 1
         buf = self._data[self._seq & 1]
-        buf[self.rank, :n] = payload.reshape(-1).view(np.uint8)
+        buf[self.rank, : payload.nbytes] = payload.reshape(-1).view(np.uint8)
         self._seqs[self.rank] = self._seq  # x86 keeps stores in order: the data is visible first
         self._wait(self._seq)
-        return buf[:, :n]
+        return buf
+
+    def _exchange(self, payload: np.ndarray) -> np.ndarray:
+        """Every rank's payload (the same length on all ranks) as a [size, n] view."""
+        return self._publish(payload)[:, : payload.nbytes]
 
     def _wait(self, seq: int) -> None:
         seqs = self._seqs
@@ -186,7 +190,7 @@ class ShmComm:
         while lengths is None or any(offset < n for n in lengths):
             piece = data[offset:offset + room]
             header = struct.pack("<q", len(data))
-            got = self._exchange_var(header + piece)
+            got = self._publish(np.frombuffer(header + piece, dtype=np.uint8))  # lengths differ: read whole slots
             if lengths is None:
                 lengths = [struct.unpack("<q", bytes(g[:8]))[0] for g in got]
             for r, g in enumerate(got):
