@@ -264,8 +264,11 @@ def test_azure_trace_parsing_and_scaling(tmp_path: Any) -> None:
     assert ds.resolve_trace_file("azure-code", str(csv)) == str(csv)
 
 
-@pytest.mark.skipif(not os.path.isdir(ds.default_azure_dir()), reason="no shared data")
-def test_real_azure_trace_available() -> None:
+def test_shipped_azure_trace() -> None:
+    """The trace ships inside the package (no ../shared at run or test time), with its licence."""
+    assert os.path.isfile(os.path.join(ds.default_azure_dir(), "LICENSE"))
+    for name, count in (("azure-code", 8819), ("azure-conv", 19366)):
+        assert len(ds.load_azure_trace(ds.resolve_trace_file(name, None), 10**6)) == count
     rows = ds.load_azure_trace(ds.resolve_trace_file("azure-code", None), 5)
     assert len(rows) == 5 and rows[0][0] == 0.0
     assert all(b >= a for (a, _, _), (b, _, _) in zip(rows, rows[1:]))

@@ -7,21 +7,23 @@ import sys
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from tidal.cli_help import DefaultsHelpFormatter
     from tidal.config import add_server_args
 
     parser = argparse.ArgumentParser(prog="tidal", description="tidal LLM serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="start an SGLang/OpenAI-compatible server")
+    fmt = {"formatter_class": DefaultsHelpFormatter}
+    serve = sub.add_parser("serve", help="start an SGLang/OpenAI-compatible server", **fmt)
     add_server_args(serve)
-    bench = sub.add_parser("bench", help="benchmark any SGLang/OpenAI-compatible server")
+    bench = sub.add_parser("bench", help="benchmark any SGLang/OpenAI-compatible server", **fmt)
     from tidal.bench import add_bench_args
 
     add_bench_args(bench)
-    router = sub.add_parser("router", help="prefill/decode-aware router in front of tidal or SGLang workers")
+    router = sub.add_parser("router", help="prefill/decode-aware router in front of tidal or SGLang workers", **fmt)
     from tidal.router.cli import add_router_args
 
     add_router_args(router)
-    cluster = sub.add_parser("cluster", help="prefill + decode servers and a router on this machine")
+    cluster = sub.add_parser("cluster", help="prefill + decode servers and a router on this machine", **fmt)
     from tidal.cluster import add_cluster_args
 
     add_cluster_args(cluster)

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional, Sequence
 
+from tidal.cli_help import DefaultsHelpFormatter
 from tidal.config import add_server_args, server_args_from_namespace
 
 
@@ -19,7 +20,8 @@ def configure_logging(level: str) -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidal.launch_server", description="Start a tidal server.")
+    parser = argparse.ArgumentParser(prog="tidal.launch_server", description="Start a tidal server.",
+                                     formatter_class=DefaultsHelpFormatter)
     add_server_args(parser)
     ns = parser.parse_args(argv)
     try:

@@ -131,13 +131,8 @@ def sample_random_requests(tokenizer: Any, num_prompts: int, input_len: int, out
 # --------------------------------------------------------------------------- Azure trace
 
 def default_azure_dir() -> str:
-    """`<repo>/../shared/data/azure_llm_2023` (the CI layout), else `<repo>/shared/...`."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for base in (os.path.dirname(repo), repo):
-        cand = os.path.join(base, "shared", "data", "azure_llm_2023")
-        if os.path.isdir(cand):
-            return cand
-    return os.path.join(os.path.dirname(repo), "shared", "data", "azure_llm_2023")
+    """The Azure LLM inference trace 2023 shipped inside this package (CC-BY 4.0, see its README)."""
+    return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "azure_llm_2023")
 
 
 def parse_timestamp(ts: str) -> float:

@@ -20,6 +20,7 @@ import aiohttp
 import numpy as np
 from tqdm.auto import tqdm
 
+from tidal.cli_help import DefaultsHelpFormatter
 from tidal.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -278,37 +279,42 @@ async def bench_async(ns: argparse.Namespace, t: Target, warm: Sequence[BenchReq
 def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """The `tidal bench` flags."""
     a = p.add_argument
-    a("--backend", choices=BACKENDS, default="tidal")
+    a("--backend", choices=BACKENDS, default="tidal",
+      help="request format: tidal/sglang use /generate, openai /v1/completions, openai-chat /v1/chat/completions")
     a("--url", default="http://127.0.0.1:30000", help="server base URL")
     a("--model", default=None, help="model name for openai backends (default: /v1/models)")
-    a("--dataset", choices=DATASETS, default="random")
-    a("--dataset-path", default=None, help="Azure trace CSV or directory")
-    a("--num-prompts", type=int, default=200)
-    a("--random-input-len", type=int, default=512)
-    a("--random-output-len", type=int, default=128)
+    a("--dataset", choices=DATASETS, default="random",
+      help="random prompts of fixed lengths, or a replay of the shipped Azure LLM trace 2023")
+    a("--dataset-path", default=None,
+      help="Azure trace CSV or directory (default: the trace shipped in tidal/bench/data)")
+    a("--num-prompts", type=int, default=200, help="measured requests (after the warm-up ones)")
+    a("--random-input-len", type=int, default=512, help="random dataset: prompt tokens")
+    a("--random-output-len", type=int, default=128, help="random dataset: output tokens")
     a("--random-range-ratio", type=float, default=0.0,
       help="lengths are uniform in [len*ratio, len]")
     a("--trace-speedup", type=float, default=1.0, help="divide trace inter-arrivals by this")
     a("--trace-offset", type=int, default=0, help="skip this many trace rows")
-    a("--max-input-len", type=int, default=None, help="cap trace prompt lengths")
-    a("--max-output-len", type=int, default=None, help="cap trace output lengths")
+    a("--max-input-len", type=int, default=None, help="cap trace prompt lengths (default: no cap)")
+    a("--max-output-len", type=int, default=None, help="cap trace output lengths (default: no cap)")
     a("--request-rate", type=float, default=float("inf"),
       help="Poisson req/s (inf: all at once); trace datasets use the trace arrivals")
-    a("--max-concurrency", type=int, default=None)
-    a("--warmup-requests", type=int, default=1)
-    a("--seed", type=int, default=1)
-    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True)
-    a("--temperature", type=float, default=0.0)
+    a("--max-concurrency", type=int, default=None,
+      help="requests in flight at most (default: no limit)")
+    a("--warmup-requests", type=int, default=1, help="requests sent and discarded before measuring")
+    a("--seed", type=int, default=1, help="seed for prompts and Poisson arrivals")
+    a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+      help="ask the server to generate exactly the requested output length")
+    a("--temperature", type=float, default=0.0, help="sampling temperature sent with each request")
     a("--tokenizer", default=None, help="HF dir/name or .gguf (default: the default model)")
     a("--send-input-ids", action=argparse.BooleanOptionalAction, default=None,
       help="send token ids instead of text (default: on for tidal/sglang)")
     a("--timeout", type=float, default=600.0, help="per-request timeout (s)")
     a("--goodput", nargs="+", default=None, metavar="KEY:MS",
-      help="SLOs, e.g. ttft:500 tpot:50 e2e:5000")
-    a("--output-file", default=None, help="write results JSON here")
-    a("--plot", default=None, help="write a latency plot (PNG) here")
+      help="SLOs, e.g. ttft:500 tpot:50 e2e:5000 (default: none, no goodput reported)")
+    a("--output-file", default=None, help="write results JSON here (default: print only)")
+    a("--plot", default=None, help="write a latency plot (PNG) here (default: no plot)")
     a("--save-text", action="store_true", help="keep generated text in the JSON")
-    a("--disable-tqdm", action="store_true")
+    a("--disable-tqdm", action="store_true", help="no progress bar")
     return p
 
 
@@ -361,6 +367,6 @@ def _write_outputs(ns: argparse.Namespace, result: dict[str, Any],
 
 
 def main(argv: Optional[Sequence[str]] = None) -> dict[str, Any]:
-    p = argparse.ArgumentParser(prog="tidal bench", description=__doc__)
+    p = argparse.ArgumentParser(prog="tidal bench", description=__doc__, formatter_class=DefaultsHelpFormatter)
     add_bench_args(p)
     return run_bench(p.parse_args(argv))

@@ -313,7 +313,8 @@ def _add_admin_routes(app: FastAPI) -> None:
         ok = all(r["success"] for r in results)
         return _json({"success": ok, "workers": results}, 200 if ok else 500)
 
-    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+    for method in ("GET", "POST"):  # one route per method: distinct OpenAPI operation ids
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -299,7 +299,8 @@ def _add_admin_routes(app: FastAPI) -> None:
         return JSONResp({"success": resp.success, "message": resp.message or ("Cache flushed." if resp.success else "")},
                         status_code=200 if resp.success else 400)
 
-    app.add_api_route("/flush_cache", flush_cache, methods=["GET", "POST"])
+    for method in ("GET", "POST"):  # one route per method: distinct OpenAPI operation ids
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
