@@ -30,8 +30,9 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 17
     prefill_wait_s: float = 30.0  # how long a finished decode waits for prefill's answer
-    api_key: Optional[str] = None  # sent to workers as a Bearer token
-    worker_admin_api_key: Optional[str] = None  # sent to workers' /admin routes (role moves)
+    api_key: Optional[str] = None  # required from clients on API routes; sent to workers as a Bearer token
+    admin_api_key: Optional[str] = None  # the router's own: required on its state-changing routes
+    worker_admin_api_key: Optional[str] = None  # sent to workers' admin routes (role moves, flush_cache)
     switch_timeout_s: float = 60.0  # drain + switch budget for one role move
     log_level: str = "info"
 
