@@ -411,3 +411,12 @@ def test_bootstrap_decode_peers_are_bounded(monkeypatch, keyed_bootstrap):
     time.sleep(0.7)
     call(port, "POST", "/heartbeat", {"decode_id": "fresh"})
     assert list(keyed_bootstrap.decode_peers()) == ["fresh"]
+
+
+def test_args_repr_masks_keys():
+    from tidal.router.config import RouterConfig
+
+    text = repr(ServerArgs(api_key=API, admin_api_key=ADMIN, disaggregation_bootstrap_key=BOOT))
+    text += repr(RouterConfig(api_key=API, admin_api_key=ROUTER_ADMIN, worker_admin_api_key=WORKER_ADMIN))
+    assert_secret_free(text, API, ADMIN, BOOT, ROUTER_ADMIN, WORKER_ADMIN)
+    assert "api_key='<set>'" in text

@@ -34,6 +34,12 @@ def mask_secrets(obj):
     return obj
 
 
+def masked_repr(obj) -> str:
+    """repr of a dataclass instance with its secrets masked."""
+    fields = mask_secrets(dataclasses.asdict(obj))
+    return f"{type(obj).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
 PATH_FIELDS = ("model_path", "tokenizer_path", "root")
 
 
@@ -153,6 +159,9 @@ class ServerArgs:
     def masked_dict(self) -> dict:
         """The args for display: secrets masked (see mask_secrets)."""
         return mask_secrets(dataclasses.asdict(self))
+
+    def __repr__(self) -> str:  # so that logging or printing the args never shows a key
+        return masked_repr(self)
 
 
 def add_server_args(p: argparse.ArgumentParser) -> None:

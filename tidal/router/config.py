@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from tidal.config import masked_repr
+
 
 @dataclasses.dataclass
 class RouterConfig:
@@ -35,6 +37,9 @@ class RouterConfig:
     worker_admin_api_key: Optional[str] = None  # sent to workers' admin routes (role moves, flush_cache)
     switch_timeout_s: float = 60.0  # drain + switch budget for one role move
     log_level: str = "info"
+
+    def __repr__(self) -> str:  # never shows a key
+        return masked_repr(self)
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:
