@@ -252,7 +252,8 @@ def test_router_state_changing_routes_need_the_router_admin_key(mock_worker):
         assert send(client, "POST", f"/remove_worker?url={extra}", None, bearer(ADMIN)).status_code == 200
 
 
-@pytest.mark.parametrize("keys", [{"api_key": API}, {"worker_admin_api_key": WORKER_ADMIN}], ids=["api", "worker-admin"])
+@pytest.mark.parametrize("keys", [{"api_key": API}, {"worker_admin_api_key": WORKER_ADMIN}],
+                         ids=["api", "worker-admin"])
 def test_router_with_worker_keys_but_no_admin_key_refuses_admin_routes(mock_worker, keys):
     with router_client(mock_worker, **keys) as client:
         for method, path, body in router_admin_routes(mock_worker):

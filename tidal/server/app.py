@@ -245,8 +245,9 @@ def _add_info_routes(app: FastAPI) -> None:
 
     async def model_info(request: Request) -> Response:
         args = _ctx(request).args
-        return JSONResp(_reveal({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
-                                 "is_generation": True, "served_model_name": args.model_name}, request))
+        info = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                "is_generation": True, "served_model_name": args.model_name}
+        return JSONResp(_reveal(info, request))
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])
