@@ -36,6 +36,10 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--policy", default="cache_aware")
     a("--torch-threads", type=int, default=None, help="per server (default: cores / servers)")
     a("--server-args", default="", help="extra flags for every server, as one quoted string")
+    a("--api-key", default=None, help="API key of every server and of the router (default: none)")
+    a("--admin-api-key", default=None,
+      help="admin key of every server and of the router; the router uses it on the servers' admin routes "
+           "(default: none)")
 
 
 @dataclass
@@ -55,7 +59,14 @@ def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Op
         cmd += ["--model-path", ns.model_path]
     if bootstrap_port is not None:
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return cmd + shlex.split(ns.server_args)
+    return cmd + _key_flags(ns) + shlex.split(ns.server_args)
+
+
+def _key_flags(ns: argparse.Namespace, router: bool = False) -> list[str]:
+    flags = [("--api-key", ns.api_key), ("--admin-api-key", ns.admin_api_key)]
+    if router:
+        flags.append(("--worker-admin-api-key", ns.admin_api_key))
+    return [x for flag, value in flags if value for x in (flag, value)]
 
 
 def plan_servers(ns: argparse.Namespace) -> list[tuple[str, str, int, Optional[int]]]:
@@ -83,7 +94,7 @@ def _router_cmd(ns: argparse.Namespace, plan: list) -> list[str]:
             cmd += ["--decode", url]
         else:
             cmd += ["--worker", url]
-    return cmd
+    return cmd + _key_flags(ns, router=True)
 
 
 def _wait_healthy(children: list[Child], deadline: float, stop: dict) -> None:

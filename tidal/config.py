@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import importlib.util
 import os
+import secrets
 from dataclasses import dataclass
 from typing import Optional
 
@@ -13,6 +14,51 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
+
+
+SECRET_NAME_SUFFIXES = ("key", "token", "secret", "password")
+
+
+def is_secret_name(name: str) -> bool:
+    return name.lower().endswith(SECRET_NAME_SUFFIXES)
+
+
+def mask_secrets(obj):
+    """A copy of obj (dicts and lists, nested) where every value under a name ending in
+    key/token/secret/password (any case) is "<set>" if it was set, else None."""
+    if isinstance(obj, dict):
+        return {k: (("<set>" if v not in (None, "") else None) if isinstance(k, str) and is_secret_name(k)
+                    else mask_secrets(v)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [mask_secrets(v) for v in obj]
+    return obj
+
+
+def masked_repr(obj) -> str:
+    """repr of a dataclass instance with its secrets masked."""
+    fields = mask_secrets(dataclasses.asdict(obj))
+    return f"{type(obj).__name__}({', '.join(f'{k}={v!r}' for k, v in fields.items())})"
+
+
+PATH_FIELDS = ("model_path", "tokenizer_path", "root")
+
+
+def hide_model_paths(obj, model_name=None):
+    """A copy of obj (nested) where model_path, tokenizer_path and root hold the model's
+    name instead of a filesystem path: `model_name`, else the dict's served_model_name,
+    else the path's last component."""
+    if isinstance(obj, list):
+        return [hide_model_paths(v, model_name) for v in obj]
+    if not isinstance(obj, dict):
+        return obj
+    out = {}
+    for k, v in obj.items():
+        if k in PATH_FIELDS and isinstance(v, str):
+            name = model_name or obj.get("served_model_name") or obj.get("id")
+            out[k] = name if isinstance(name, str) and name else os.path.basename(v.rstrip("/\\"))
+        else:
+            out[k] = hide_model_paths(v, model_name)
+    return out
 
 
 def default_model_path() -> str:
@@ -62,6 +108,9 @@ class ServerArgs:
     disaggregation_decode_polling_interval: int = 1
     enable_dynamic_disaggregation: bool = False
     keep_role_components: bool = False
+    # prefill ranks prove with it that they may (de)register at the bootstrap server;
+    # None: the bootstrap server takes registrations from anyone (tests building parts directly)
+    disaggregation_bootstrap_key: Optional[str] = None
     admin_api_key: Optional[str] = None
     # runtime
     random_seed: int = 0
@@ -101,6 +150,19 @@ class ServerArgs:
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
 
+    def with_bootstrap_key(self) -> "ServerArgs":
+        """These args with a random bootstrap key unless one is set (made once per server)."""
+        if self.disaggregation_bootstrap_key:
+            return self
+        return self.replace(disaggregation_bootstrap_key=secrets.token_urlsafe(24))
+
+    def masked_dict(self) -> dict:
+        """The args for display: secrets masked (see mask_secrets)."""
+        return mask_secrets(dataclasses.asdict(self))
+
+    def __repr__(self) -> str:  # so that logging or printing the args never shows a key
+        return masked_repr(self)
+
 
 def add_server_args(p: argparse.ArgumentParser) -> None:
     d = ServerArgs()
@@ -133,14 +195,20 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="allow switching the role (null/prefill/decode) at runtime through the admin API")
     a("--keep-role-components", action="store_true",
       help="keep a role's components (transfer threads, sockets, buffers) after leaving it")
-    a("--admin-api-key", default=None, help="Bearer key the admin endpoints require")
+    a("--disaggregation-bootstrap-key", default=None,
+      help="Bearer key this server's prefill ranks send to register at its bootstrap server "
+           "(default: a random key made at launch)")
+    a("--admin-api-key", default=None,
+      help="Bearer key the admin routes (/flush_cache, /abort_request, /admin/*, /pd_role_switch) require "
+           "(default: none; then they take --api-key, or are open without either)")
     a("--random-seed", type=int, default=d.random_seed)
     a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
     a("--stream-interval", type=int, default=d.stream_interval)
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout)
     a("--log-level", default=d.log_level)
-    a("--api-key", default=None)
+    a("--api-key", default=None,
+      help="Bearer key every route but /health, /health_generate and /metrics requires (default: none, open)")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

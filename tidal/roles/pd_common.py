@@ -51,6 +51,7 @@ class TransferComponents:
             page_size=args.page_size,
             kv_dtype=kv_dtype_name(sched.runner.dtype),
             host=args.host if args.host not in ("0.0.0.0", "") else "127.0.0.1",
+            bootstrap_key=args.disaggregation_bootstrap_key,
         )
         self.manager = create_kv_manager(args.disaggregation_transfer_backend, kv_args, mode, bootstrap_port)
 

@@ -39,7 +39,7 @@ class PrefillRole:
         args = sched.args
         self.bootstrap_port = args.disaggregation_bootstrap_port
         # one bootstrap server per prefill server, run by TP rank 0; every rank registers with it
-        self.bootstrap_server = BootstrapServer(args.host, self.bootstrap_port) if sched.tp.rank == 0 else None
+        self.bootstrap_server = BootstrapServer(args.host, self.bootstrap_port, args.disaggregation_bootstrap_key) if sched.tp.rank == 0 else None
         self.transfer = TransferComponents(sched, "prefill", None)
         self.active = False
         self.bootstrap_queue: list[Req] = []

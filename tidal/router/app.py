@@ -1,4 +1,19 @@
-"""The router's FastAPI app: generation routes, pass-through info routes, admin routes."""
+"""The router's FastAPI app: generation routes, pass-through info routes, admin routes.
+
+Authentication (tidal/server/auth.py's middleware, `Authorization: Bearer KEY`):
+- /health, /health_generate, /metrics: open.
+- Admin routes (/add_worker, /remove_worker, /flush_cache, /admin/*, /pd_role_switch):
+  with `--admin-api-key`, that key and only that key. Without it they are open only
+  when the router has no key at all; if `--api-key` or `--worker-admin-api-key` is set
+  they answer 401 (set --admin-api-key to use them), so that nobody can act with the
+  workers' keys on the router's behalf.
+- Every other route (generation, info, /workers, /get_load): with `--api-key`, that key
+  (the admin key works too); without it, open, and a generation request's own
+  Authorization header goes to the workers.
+Worker info passed through (/server_info, /v1/models, /model_info) has its secrets
+masked and, for callers that presented no configured key, model paths replaced by the
+model's name.
+"""
 
 from __future__ import annotations
 
@@ -15,12 +30,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 import tidal
+from tidal.config import hide_model_paths, mask_secrets
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
 from tidal.router.legs import json_error
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
 from tidal.router.orchestrate import add_orchestration_routes
+from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.router.workers import (
     DECODE,
     DEFAULT_BOOTSTRAP_PORT,
@@ -36,6 +53,7 @@ from tidal.router.workers import (
 logger = logging.getLogger(__name__)
 
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch"})
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
 
 
@@ -54,8 +72,26 @@ class RouterState:
     dispatcher: Optional[Dispatcher] = None
     started_at: float = dataclasses.field(default_factory=time.time)
 
-    def admin_headers(self) -> dict:
+    def worker_headers(self) -> dict:
+        """For workers' API routes (info, load, health)."""
         return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+
+    def worker_admin_headers(self) -> dict:
+        """For workers' admin routes: the worker admin key, else the API key (a worker's admin
+        routes take its API key when it has no admin key)."""
+        key = self.cfg.worker_admin_api_key or self.cfg.api_key
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+
+def router_guard(cfg: RouterConfig) -> Guard:
+    """The rule of the module docstring."""
+    refusal = None
+    if not cfg.admin_api_key and (cfg.api_key or cfg.worker_admin_api_key):
+        refusal = ("this route changes the router's state and needs the router's own admin key: "
+                   "start the router with --admin-api-key")
+    return Guard(api_keys=tuple(k for k in (cfg.api_key, cfg.admin_api_key) if k) if cfg.api_key else (),
+                 admin_keys=(cfg.admin_api_key,) if cfg.admin_api_key else (),
+                 admin_paths=ADMIN_PATHS, admin_refusal=refusal)
 
 
 def build_state(cfg: RouterConfig) -> RouterState:
@@ -89,7 +125,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         connector=connector, trust_env=False, auto_decompress=False,
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s))
     st.checker = HealthChecker(st.registry, st.session, cfg.health_check_interval_s, cfg.health_check_timeout_s,
-                               st.admin_headers())
+                               st.worker_headers())
     st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics)
     await st.checker.check_all()
     st.checker.start()
@@ -104,6 +140,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
 def create_router_app(cfg: RouterConfig, state: Optional[RouterState] = None) -> FastAPI:
     app = FastAPI(title="tidal router", version=tidal.__version__, lifespan=_lifespan)
     app.state.router = state or build_state(cfg)
+    app.add_middleware(AuthMiddleware, guard=router_guard(app.state.router.cfg))
     add_orchestration_routes(app)
 
     @app.exception_handler(Exception)
@@ -174,7 +211,7 @@ async def _get_json(st: RouterState, w: Worker, path: str,
                     timeout: Optional[aiohttp.ClientTimeout] = None) -> tuple[int, Any]:
     try:
         async with st.session.get(w.url + path, timeout=timeout or st.checker.timeout,
-                                  headers=st.admin_headers()) as r:
+                                  headers=st.worker_headers()) as r:
             raw = await r.read()
             return r.status, (msgspec.json.decode(raw) if raw else None)
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as e:
@@ -189,12 +226,18 @@ def _first_healthy(st: RouterState) -> Optional[Worker]:
     return None
 
 
-async def _forward_get(st: RouterState, path: str) -> Response:
+def _reveal(body: Any, request: Request) -> Any:
+    """A worker's answer for this caller: secrets masked; paths only for authenticated callers."""
+    body = mask_secrets(body)
+    return body if is_authenticated(request) else hide_model_paths(body)
+
+
+async def _forward_get(st: RouterState, path: str, request: Request) -> Response:
     w = _first_healthy(st)
     if w is None:
         return json_error("no healthy worker available", 503)
     status, body = await _get_json(st, w, path)
-    return _json(body, status) if status else json_error(f"worker {w.url}: {body['error']}", 502)
+    return _json(_reveal(body, request), status) if status else json_error(f"worker {w.url}: {body['error']}", 502)
 
 
 def _router_info(st: RouterState) -> dict:
@@ -212,7 +255,7 @@ def _add_info_routes(app: FastAPI) -> None:
         workers = st.registry.all()
         infos = await asyncio.gather(*(_get_json(st, w, "/server_info") for w in workers))
         out = _router_info(st)
-        out["workers"] = [{**w.to_dict(), "server_info": body if status == 200 else None}
+        out["workers"] = [{**w.to_dict(), "server_info": _reveal(body, request) if status == 200 else None}
                           for w, (status, body) in zip(workers, infos)]
         return _json(out)
 
@@ -242,7 +285,7 @@ def _add_info_routes(app: FastAPI) -> None:
 
 def _forwarder(path: str) -> Any:
     async def forward(request: Request) -> Response:
-        return await _forward_get(_st(request), path)
+        return await _forward_get(_st(request), path, request)
 
     forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
     return forward
@@ -254,7 +297,8 @@ def _forwarder(path: str) -> Any:
 async def _post_all(st: RouterState, path: str) -> list[dict]:
     async def one(w: Worker) -> dict:
         try:
-            async with st.session.post(w.url + path, timeout=st.checker.timeout, headers=st.admin_headers()) as r:
+            async with st.session.post(w.url + path, timeout=st.checker.timeout,
+                                       headers=st.worker_admin_headers()) as r:
                 await r.read()
                 return {"url": w.url, "role": w.mode, "status": r.status, "success": r.status == 200}
         except (aiohttp.ClientError, TimeoutError) as e:

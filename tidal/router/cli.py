@@ -54,8 +54,15 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--max-retries", type=int, default=d.max_retries)
     s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000)
     s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000)
-    s.add_argument("--api-key", default=None, help="sent to the workers as a Bearer token")
-    s.add_argument("--worker-admin-api-key", default=None, help="sent to the workers' admin API for role moves")
+    s.add_argument("--api-key", default=None,
+                   help="Bearer key clients must send on every route but /health, /health_generate, /metrics "
+                        "and the admin ones; also sent to the workers (default: none; then the client's "
+                        "Authorization header is passed through)")
+    s.add_argument("--admin-api-key", default=None,
+                   help="the router's own Bearer key for /add_worker, /remove_worker, /flush_cache, /admin/* "
+                        "(default: none; then those routes are open only when no key at all is configured)")
+    s.add_argument("--worker-admin-api-key", default=None,
+                   help="sent to the workers' admin routes for role moves and /flush_cache (default: --api-key)")
     s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
 
@@ -81,6 +88,7 @@ def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
         retry_max_backoff_s=ns.retry_max_backoff_ms / 1000, enforce_disaggregation=ns.enforce_disaggregation,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
+        admin_api_key=ns.admin_api_key,
         worker_admin_api_key=ns.worker_admin_api_key, switch_timeout_s=ns.switch_timeout_secs,
         log_level=ns.log_level)
 

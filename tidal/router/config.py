@@ -5,6 +5,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
+from tidal.config import masked_repr
+
 
 @dataclasses.dataclass
 class RouterConfig:
@@ -30,10 +32,14 @@ class RouterConfig:
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 17
     prefill_wait_s: float = 30.0  # how long a finished decode waits for prefill's answer
-    api_key: Optional[str] = None  # sent to workers as a Bearer token
-    worker_admin_api_key: Optional[str] = None  # sent to workers' /admin routes (role moves)
+    api_key: Optional[str] = None  # required from clients on API routes; sent to workers as a Bearer token
+    admin_api_key: Optional[str] = None  # the router's own: required on its state-changing routes
+    worker_admin_api_key: Optional[str] = None  # sent to workers' admin routes (role moves, flush_cache)
     switch_timeout_s: float = 60.0  # drain + switch budget for one role move
     log_level: str = "info"
+
+    def __repr__(self) -> str:  # never shows a key
+        return masked_repr(self)
 
     def __post_init__(self) -> None:
         if self.max_retries < 0:

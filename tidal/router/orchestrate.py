@@ -31,10 +31,6 @@ class RoleMover:
     def __init__(self, st: Any):
         self.st = st
 
-    def _headers(self) -> dict:
-        key = self.st.cfg.worker_admin_api_key
-        return {"authorization": f"Bearer {key}"} if key else {}
-
     async def move(self, url: str, mode: str) -> Response:
         w: Worker = self.st.registry.get(url)
         if w is None:
@@ -68,7 +64,7 @@ class RoleMover:
         payload = {"mode": mode, "drain": True, "timeout_s": timeout_s}
         try:
             async with self.st.session.post(w.url + "/admin/switch_disaggregation_mode", json=payload,
-                                            headers=self._headers(),
+                                            headers=self.st.worker_admin_headers(),
                                             timeout=aiohttp.ClientTimeout(total=timeout_s + 30)) as r:
                 raw = await r.read()
                 return r.status, (msgspec.json.decode(raw) if raw else None)
@@ -79,7 +75,8 @@ class RoleMover:
         bport = None
         if mode == PREFILL:
             try:
-                async with self.st.session.get(w.url + "/server_info", timeout=aiohttp.ClientTimeout(total=10)) as r:
+                async with self.st.session.get(w.url + "/server_info", headers=self.st.worker_headers(),
+                                               timeout=aiohttp.ClientTimeout(total=10)) as r:
                     info = await r.json(content_type=None)
                 bport = info.get("disaggregation_bootstrap_port")
             except (aiohttp.ClientError, TimeoutError, ValueError):

@@ -1,4 +1,4 @@
-"""The FastAPI app: SGLang native routes, OpenAI routes, admin routes, errors, auth.
+"""The FastAPI app: SGLang native routes, OpenAI routes, admin routes, errors, auth (server/auth.py).
 
 TCP_NODELAY: not set here because asyncio already sets it on every accepted TCP
 socket: asyncio/selector_events.py, `_SelectorSocketTransport.__init__` calls
@@ -10,7 +10,6 @@ Python 3.11: inside a request the accepted socket had proto=6 and TCP_NODELAY=1.
 from __future__ import annotations
 
 import dataclasses
-import hmac
 import json
 import logging
 import time
@@ -24,9 +23,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import Response
 
 import tidal
-from tidal.config import ServerArgs
+from tidal.config import ServerArgs, hide_model_paths
 from tidal.server import openai_api
 from tidal.server.admin import add_admin_api
+from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.server.metrics import CONTENT_TYPE, Metrics
 from tidal.server.protocol import (
     SSE_DONE,
@@ -49,7 +49,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
 STATS_TIMEOUT_S = 2.0
-AUTH_EXEMPT = ("/health", "/health_generate", "/metrics")
 
 
 @dataclasses.dataclass
@@ -62,24 +61,6 @@ class ServerContext:
 
 def _ctx(request: Request) -> ServerContext:
     return request.app.state.ctx
-
-
-class ApiKeyMiddleware:
-    """Require `Authorization: Bearer <key>` on every route but the health and metrics ones."""
-
-    def __init__(self, app: Any, api_key: str) -> None:
-        self.app = app
-        self.expected = f"Bearer {api_key}".encode()
-
-    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["path"] in AUTH_EXEMPT or scope["method"] == "OPTIONS":
-            return await self.app(scope, receive, send)
-        auth = dict(scope.get("headers") or []).get(b"authorization", b"")
-        if hmac.compare_digest(auth, self.expected):
-            return await self.app(scope, receive, send)
-        resp = JSONResp(error_body("Invalid or missing API key", 401), status_code=401,
-                        headers={"WWW-Authenticate": "Bearer"})
-        await resp(scope, receive, send)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
@@ -109,8 +90,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="tidal", version=tidal.__version__)
     app.state.ctx = ctx
     _install_error_handlers(app)
-    if ctx.args.api_key:
-        app.add_middleware(ApiKeyMiddleware, api_key=ctx.args.api_key)
+    app.add_middleware(AuthMiddleware, guard=Guard.for_server(ctx.args.api_key, ctx.args.admin_api_key))
     _add_native_routes(app)
     _add_info_routes(app)
     _add_admin_routes(app)
@@ -223,7 +203,7 @@ def _add_native_routes(app: FastAPI) -> None:
         ready = ctx.tm.ready
         card = {"id": ctx.args.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "tidal",
                 "root": ctx.args.model_path, "max_model_len": ready.context_length if ready else None}
-        return JSONResp({"object": "list", "data": [card]})
+        return JSONResp(_reveal({"object": "list", "data": [card]}, request))
 
 
 # ---------------------------------------------------------------- info
@@ -244,11 +224,15 @@ def _struct_dict(obj: Any) -> Optional[dict]:
     return d
 
 
+def _reveal(body: dict, request: Request) -> dict:
+    """Filesystem paths only for callers that presented a configured key; others see the model name."""
+    return body if is_authenticated(request) else hide_model_paths(body, _ctx(request).args.model_name)
+
+
 def _add_info_routes(app: FastAPI) -> None:
     async def server_info(request: Request) -> Response:
         ctx = _ctx(request)
-        info = dataclasses.asdict(ctx.args)
-        info["api_key"] = "<set>" if ctx.args.api_key else None
+        info = ctx.args.masked_dict()
         stats = await _try_stats(ctx.tm) if ctx.tm.alive else None
         info.update({
             "version": tidal.__version__,
@@ -257,12 +241,13 @@ def _add_info_routes(app: FastAPI) -> None:
             "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
             "internal_states": [_struct_dict(stats)] if stats is not None else [],
         })
-        return JSONResp(info)
+        return JSONResp(_reveal(info, request))
 
     async def model_info(request: Request) -> Response:
         args = _ctx(request).args
-        return JSONResp({"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
-                         "is_generation": True, "served_model_name": args.model_name})
+        info = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+                "is_generation": True, "served_model_name": args.model_name}
+        return JSONResp(_reveal(info, request))
 
     for path in ("/server_info", "/get_server_info"):
         app.add_api_route(path, server_info, methods=["GET"])

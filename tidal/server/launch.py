@@ -72,6 +72,7 @@ def _default_target() -> Callable:
 def launch_server(args: ServerArgs, scheduler_target: Optional[Callable] = None) -> int:
     """Run a server until SIGINT/SIGTERM or the scheduler's death; returns the exit status."""
     target = scheduler_target or _default_target()
+    args = args.with_bootstrap_key()  # one per server: every TP rank gets the same
     port_error = _port_unavailable(args.host, args.port)
     if port_error:  # before the scheduler spends minutes loading a model
         print(f"tidal: cannot listen on {args.host}:{args.port}: {port_error}", file=sys.stderr, flush=True)

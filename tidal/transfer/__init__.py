@@ -11,7 +11,8 @@ background threads):
   `MetadataRecord(output_id, cached_tokens, logprob, top_logprobs_val, top_logprobs_idx,
   bootstrap_room)`.
 - `KVArgs(engine_rank, kv_pool, metadata, page_size, kv_dtype, host="127.0.0.1",
-  tp_size=1, dp_size=1, pp_size=1)`.
+  tp_size=1, dp_size=1, pp_size=1, bootstrap_key=None)`; a prefill manager sends
+  `bootstrap_key` as `Authorization: Bearer` with PUT/DELETE /route.
 - `create_kv_manager(backend, args, mode, bootstrap_port=None) -> manager`, backend in
   fake | shm | tcp | mooncake | nixl (mooncake and nixl imported only when chosen).
   A prefill manager binds a ZMQ control endpoint and registers its rank with the
@@ -45,8 +46,10 @@ background threads):
   TIDAL_DISAGG_ADVERTISE_HOST (address peers use when host is 0.0.0.0),
   TIDAL_MOONCAKE_PROTOCOL / TIDAL_MOONCAKE_DEVICE / TIDAL_MOONCAKE_MAX_BATCH,
   TIDAL_NIXL_PROGRESS_INTERVAL.
-- `BootstrapServer(host, port)`: `start()` (RuntimeError if the port is taken),
-  `stop()`; routes PUT/GET/DELETE /route, GET /health, POST /heartbeat.
+- `BootstrapServer(host, port, key=None)`: `start()` (RuntimeError if the port is taken),
+  `stop()`; routes PUT/GET/DELETE /route, GET /health, POST /heartbeat. With a key,
+  PUT/DELETE /route without `Authorization: Bearer KEY` answer 401. A server's key is
+  `--disaggregation-bootstrap-key`, else a random one made at launch for all its ranks.
 """
 
 from tidal.transfer.base import (

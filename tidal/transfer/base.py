@@ -36,6 +36,7 @@ class KVArgs:
     tp_size: int = 1
     dp_size: int = 1
     pp_size: int = 1
+    bootstrap_key: Optional[str] = None  # sent with PUT/DELETE /route (the bootstrap server's key)
 
 
 def _env_float(names: tuple[str, ...], default: float) -> float:

@@ -1,7 +1,8 @@
 """The bootstrap server that decode servers ask for the prefill ranks (SGLang's routes),
 and the decode side's client of it: lookups and heartbeats in one background thread.
 
-Routes:
+Routes (PUT and DELETE /route need `Authorization: Bearer KEY` when the server has a key,
+401 otherwise: only the ranks of the server that owns it can (re)point its rooms):
   PUT /route      a prefill rank registers {role, rank_ip, rank_port, engine_rank,
                   tp_size, dp_size, pp_size, page_size, kv_dtype, [dp_group, pp_rank, prefill_id]}
   DELETE /route   ?engine_rank&target_dp_group&target_pp_rank[&prefill_id]: deregister
@@ -10,12 +11,14 @@ Routes:
                   prefill_kv_dtype}; otherwise one rank's {rank_ip, rank_port, prefill_id}.
                   400 bad query, 404 unknown rank, 503 nothing registered yet.
   GET /health
-  POST /heartbeat {decode_id, [endpoint]} -> {status, prefill_ids}
+  POST /heartbeat {decode_id, [endpoint]} -> {status, prefill_ids}; open, so the peers it
+                  remembers expire after PEER_TTL_S and are capped at MAX_DECODE_PEERS.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import threading
 import time
@@ -64,14 +67,26 @@ def _query_ints(request: web.Request, names: tuple[str, ...]) -> tuple[int, ...]
 
 
 _ROUTE_KEYS = ("engine_rank", "target_dp_group", "target_pp_rank")
+PEER_TTL_S = 30.0  # a few heartbeat intervals (TIDAL's default interval is 5 s)
+MAX_DECODE_PEERS = 1024
+
+
+def bearer_headers(key: Optional[str]) -> dict:
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _has_key(request: web.Request, key: str) -> bool:
+    scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
 
 
 class BootstrapServer:
     """HTTP server in its own thread and event loop. `start()` raises if the port is taken."""
 
-    def __init__(self, host: str = "0.0.0.0", port: int = 8998):
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, key: Optional[str] = None):
         self.host = host
         self.port = port
+        self.key = key  # None: registrations from anyone (tests and benchmarks building parts directly)
         self._lock = threading.Lock()
         self._ranks: dict[tuple[int, int, int], dict] = {}  # (dp_group, engine_rank, pp_rank)
         self._topology: Optional[dict] = None
@@ -162,7 +177,16 @@ class BootstrapServer:
         app.router.add_post("/heartbeat", self._heartbeat)
         return app
 
+    def _refusal(self, request: web.Request) -> Optional[web.Response]:
+        if self.key is None or _has_key(request, self.key):
+            return None
+        return web.json_response({"error": "registrations need Authorization: Bearer <bootstrap key>"}, status=401,
+                                 headers={"WWW-Authenticate": "Bearer"})
+
     async def _put_route(self, request: web.Request) -> web.Response:
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
         try:
             reg = _parse_registration(await request.json())
         except ValueError as e:  # includes JSON decode errors
@@ -192,6 +216,9 @@ class BootstrapServer:
         return web.json_response({k: reg[k] for k in ("rank_ip", "rank_port", "prefill_id")})
 
     async def _delete_route(self, request: web.Request) -> web.Response:
+        refused = self._refusal(request)
+        if refused is not None:
+            return refused
         rank, dp, pp = _query_ints(request, _ROUTE_KEYS)
         want = request.query.get("prefill_id")
         with self._lock:
@@ -216,10 +243,19 @@ class BootstrapServer:
         decode_id = body.get("decode_id") if isinstance(body, dict) else None
         if not isinstance(decode_id, str) or not decode_id:
             return web.json_response({"error": "decode_id (str) is required"}, status=400)
+        now = time.time()
         with self._lock:
-            self._decode_peers[decode_id] = {"last_seen": time.time(), "endpoint": str(body.get("endpoint", ""))}
+            self._expire_peers(now)
+            if decode_id in self._decode_peers or len(self._decode_peers) < MAX_DECODE_PEERS:
+                self._decode_peers[decode_id] = {"last_seen": now, "endpoint": str(body.get("endpoint", ""))[:256]}
             ids = sorted({r["prefill_id"] for r in self._ranks.values()})
         return web.json_response({"status": "ok", "prefill_ids": ids})
+
+
+    def _expire_peers(self, now: float) -> None:
+        stale = [k for k, v in self._decode_peers.items() if now - v["last_seen"] > PEER_TTL_S]
+        for k in stale:
+            del self._decode_peers[k]
 
 
 # ---------------------------------------------------------------- decode-side client

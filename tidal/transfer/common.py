@@ -256,14 +256,15 @@ def split_addr(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def http_json(method: str, addr: str, path: str, body: Optional[dict] = None, timeout: float = 2.0) -> tuple[int, dict]:
+def http_json(method: str, addr: str, path: str, body: Optional[dict] = None, timeout: float = 2.0,
+              headers: Optional[dict] = None) -> tuple[int, dict]:
     """One HTTP request to host:port; (status, JSON body or {}). Raises OSError when unreachable."""
     host, port = split_addr(addr)
     conn = http.client.HTTPConnection(host, port, timeout=timeout)
     try:
         payload = None if body is None else json.dumps(body).encode()
-        headers = {"Content-Type": "application/json"} if payload is not None else {}
-        conn.request(method, path, body=payload, headers=headers)
+        sent = {"Content-Type": "application/json"} if payload is not None else {}
+        conn.request(method, path, body=payload, headers={**sent, **(headers or {})})
         resp = conn.getresponse()
         raw = resp.read()
     except http.client.HTTPException as e:

@@ -25,6 +25,7 @@ from tidal.transfer.base import (
     TransferStats,
     Transport,
 )
+from tidal.transfer.bootstrap import bearer_headers
 from tidal.transfer.common import ControlPlane, advertised_host, http_json
 from tidal.transfer.decode import DecodeReceiver, DecodeSide
 from tidal.transfer.fake import FakeReceiver, FakeSender
@@ -107,11 +108,12 @@ class KVManager(BaseKVManager):
         delay = 0.02
         while True:
             try:
-                status, body = http_json("PUT", addr, "/route", self._registration())
+                status, body = http_json("PUT", addr, "/route", self._registration(),
+                                         headers=bearer_headers(self.args.bootstrap_key))
                 if status == 200:
                     self._bootstrap = (self._host, bootstrap_port)
                     return
-                if status == 400:
+                if status in (400, 401):
                     raise RuntimeError(f"bootstrap server {addr} rejected the registration: {body}")
                 why = f"HTTP {status}: {body}"
             except OSError as e:
@@ -131,7 +133,7 @@ class KVManager(BaseKVManager):
         host, port = self._bootstrap
         query = f"/route?engine_rank={self.args.engine_rank}&target_dp_group=0&target_pp_rank=0&prefill_id={self.id}"
         try:
-            http_json("DELETE", f"{host}:{port}", query, timeout=0.5)
+            http_json("DELETE", f"{host}:{port}", query, timeout=0.5, headers=bearer_headers(self.args.bootstrap_key))
         except OSError:
             pass  # the bootstrap server is already gone
 
