@@ -34,6 +34,9 @@ from tidal.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
 _NEG_INF = -math.inf
+# Repetition penalties in this range cannot overflow float32 for logits below 1e29 even at
+# temperature 1e-5 (1e29 * 1e4 * 1e5 < 3.4e38); outside it the penalised logits are sanitised.
+_SAFE_REPETITION = (1e-4, 1e4)
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -74,6 +77,7 @@ class PenaltyInfo:
     frequency: Optional[torch.Tensor]  # [P, 1] float32, or None if no freq/presence
     presence: Optional[torch.Tensor]  # [P, 1] float32
     output_counts: Optional[torch.Tensor]  # [P, V] float32, counts in output only
+    extreme: bool = False  # a repetition penalty outside _SAFE_REPETITION: NaN / inf possible
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [B, V]."""
@@ -86,7 +90,8 @@ class PenaltyInfo:
             # OpenAI: subtract freq * count + presence * (count > 0), output tokens only.
             sub = sub - self.frequency * self.output_counts
             sub = sub - self.presence * (self.output_counts > 0).to(sub.dtype)
-        sub = sub.nan_to_num(nan=_NEG_INF, posinf=math.inf, neginf=_NEG_INF)  # 0 * inf: banned
+        if self.extreme:
+            sub = sub.nan_to_num(nan=_NEG_INF, posinf=math.inf, neginf=_NEG_INF)  # 0 * inf: banned
         if self.rows is None:
             logits.copy_(sub)
         else:
@@ -122,6 +127,7 @@ def _build_penalties(
         frequency=freq,
         presence=pres,
         output_counts=out_counts if freq is not None else None,
+        extreme=any(not _SAFE_REPETITION[0] <= p.repetition_penalty <= _SAFE_REPETITION[1] for p in ps),
     )
 
 
@@ -290,7 +296,7 @@ def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.T
     probability is 0 or NaN (no finite candidate was left).
     """
     scaled = logits / info.temperatures
-    if info.penalties is not None:  # a penalised +inf (or a huge one / temperature) wins, finitely
+    if info.penalties is not None and info.penalties.extreme:  # a penalised +inf wins, finitely
         scaled = scaled.nan_to_num_(nan=_NEG_INF, posinf=torch.finfo(scaled.dtype).max, neginf=_NEG_INF)
     probs = torch.softmax(scaled, dim=-1)
     if not info.needs_filter:
