@@ -233,6 +233,7 @@ def test_huge_prompt_does_not_stall_other_clients(real):
     assert_400(r, "maximum input length")  # certainly too long: refused before tokenizing
     assert time.monotonic() - t0 < 10
     assert max(latencies, default=0) < 1.0, latencies
+    print(f"16 MiB prompt refused in {time.monotonic() - t0:.2f}s; /health max {max(latencies, default=0):.3f}s")
     # under that bound the server tokenizes, in a worker thread, then refuses by the exact count
     medium = "Hello world, " * 40_000  # 520k characters, 120k tokens: about a second to tokenize
     for path, body in (("/generate", {"text": [medium] * 8}), ("/v1/completions", {"prompt": medium}),
@@ -240,6 +241,7 @@ def test_huge_prompt_does_not_stall_other_clients(real):
         r, latencies = health_latencies_during(real, path, body)
         assert_400(r, "tokens)")
         assert len(latencies) >= 3 and max(latencies) < 1.0, (path, latencies)
+        print(f"{path}: {len(latencies)} /health polls, max {max(latencies):.3f}s")
 
 
 def test_tiny_temperature_equals_greedy_through_the_engine(real):

@@ -106,7 +106,8 @@ async def _respond(request: Request, tm: TokenizerManager, call: _Call, body: An
 # ---------------------------------------------------------------- /v1/completions
 
 
-async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], list[str]]:
+async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], list]:
+    """(token ids, the prompts as a list) for a str / list[str] / list[int] / list[list[int]] prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
@@ -116,20 +117,25 @@ async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[l
     check_prompt_count(len(prompt), tm.args.max_batch_size_per_request)
     tokenized = iter(await tm.tokenize_all([p for p in prompt if isinstance(p, str)]))
     ids = [next(tokenized) if isinstance(p, str) else list(p) for p in prompt]
-    texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompt]
-    return ids, texts
+    return ids, prompt
+
+
+def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
+    """Per state, the prompt text to echo (token prompts decoded once they are validated)."""
+    texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
+    return [t for t in texts for _ in range(n)]
 
 
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
     refuse_unsupported_openai(body)
-    ids, texts = await _completion_prompts(tm, body.prompt)
+    ids, prompts = await _completion_prompts(tm, body.prompt)
     if body.max_tokens is not None and body.max_tokens < 0:
         raise ApiError(f"max_tokens must be >= 0, got {body.max_tokens}")
     want_lp = body.logprobs is not None
     reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo)
     call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
-                 echo=[t for t in texts for _ in range(body.n)] if body.echo else [], logprobs=want_lp,
+                 echo=_echo_texts(tm, prompts, body.n) if body.echo else [], logprobs=want_lp,
                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
     apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)

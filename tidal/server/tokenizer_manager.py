@@ -336,15 +336,16 @@ class TokenizerManager:
         self._check_alive()
         per_token = self.max_chars_per_token
         if per_token is not None and len(text) > self.ready.max_req_input_len * per_token:
-            self._check_input_len(len(text) // per_token + 1, f"{len(text)} characters, so more than "
-                                  f"{len(text) // per_token} tokens")
+            raise self._too_long(f"{len(text)} characters, so more than {len(text) // per_token} tokens")
 
-    def _check_input_len(self, n: int, described: Optional[str] = None) -> None:
+    def _check_input_len(self, n: int) -> None:
+        if n > self.ready.max_req_input_len:
+            raise self._too_long(f"{n} tokens")
+
+    def _too_long(self, size: str) -> ApiError:
         ready = self.ready
-        if n > ready.max_req_input_len:
-            raise ApiError(
-                f"The input ({described or f'{n} tokens'}) is longer than the model's maximum input length "
-                f"({ready.max_req_input_len} tokens; context length {ready.context_length} tokens).")
+        return ApiError(f"The input ({size}) is longer than the model's maximum input length "
+                        f"({ready.max_req_input_len} tokens; context length {ready.context_length} tokens).")
 
     def make_req(
         self, input_ids: list[int], sampling: SamplingParams, *, max_set: bool = True,
