@@ -240,7 +240,7 @@ def test_huge_prompt_does_not_stall_other_clients(real):
                        (CHAT, {"messages": [{"role": "user", "content": medium}]})):
         r, latencies = health_latencies_during(real, path, body)
         assert_400(r, "tokens)")
-        assert len(latencies) >= 3 and max(latencies) < 1.0, (path, latencies)
+        assert latencies and max(latencies) < 1.0, (path, latencies)
         print(f"{path}: {len(latencies)} /health polls, max {max(latencies):.3f}s")
 
 
