@@ -85,7 +85,6 @@ def check_stop(stop: list, max_count: int, max_chars: int) -> None:
         raise ApiError(f"A stop string has {longest} characters; the limit is {max_chars} (--max-stop-string-chars).")
 
 
-
 def max_chars_per_token(tokenizer: Any) -> Optional[int]:
     """The most characters of input text one token can stand for, where that is provable;
     None otherwise.

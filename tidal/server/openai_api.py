@@ -11,6 +11,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tidal.sampling_params import seed_for_copy
+from tidal.server.limits import check_n, check_prompt_count, check_top_logprobs
 from tidal.server.protocol import (
     SSE_DONE,
     ApiError,
@@ -27,8 +29,6 @@ from tidal.server.protocol import (
     sampling_from_dict,
     sse,
 )
-from tidal.sampling_params import seed_for_copy
-from tidal.server.limits import check_n, check_prompt_count, check_top_logprobs
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 
 
