@@ -103,12 +103,12 @@ def test_n_is_bounded(url):
 
 def test_top_logprobs_are_bounded(url):
     native = {"text": "hi", "return_logprob": True, "sampling_params": {"max_new_tokens": 1}}
-    assert_400(post(url, "/generate", {**native, "top_logprobs_num": 21}), "--max-top-logprobs")
-    assert_400(post(url, "/generate", {**native, "top_logprobs_num": 10**30}), "--max-top-logprobs")
+    assert_400(post(url, "/generate", {**native, "top_logprobs_num": 21}), "--max-logprobs")
+    assert_400(post(url, "/generate", {**native, "top_logprobs_num": 10**30}), "--max-logprobs")
     assert post(url, "/generate", {**native, "top_logprobs_num": 20}).status_code == 200
-    assert_400(post(url, "/v1/completions", {"prompt": "hi", "logprobs": 21, "max_tokens": 1}), "--max-top-logprobs")
+    assert_400(post(url, "/v1/completions", {"prompt": "hi", "logprobs": 21, "max_tokens": 1}), "--max-logprobs")
     assert_400(post(url, CHAT, {"messages": MSGS, "logprobs": True, "top_logprobs": 21, "max_tokens": 1}),
-               "--max-top-logprobs")
+               "--max-logprobs")
 
 
 def test_prompts_per_request_are_bounded_before_tokenizing(url):

@@ -74,7 +74,7 @@ def check_n(n: int, limit: int) -> None:
 
 def check_top_logprobs(num: int, limit: int) -> None:
     if not 0 <= num <= limit:
-        raise ApiError(f"The number of top logprobs must be in [0, {limit}] (--max-top-logprobs), got {num}.")
+        raise ApiError(f"The number of top logprobs must be in [0, {limit}] (--max-logprobs), got {num}.")
 
 
 def check_stop(stop: list, max_count: int, max_chars: int) -> None:

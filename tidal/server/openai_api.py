@@ -76,7 +76,7 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
     if body.n < 1:
         raise ApiError(f"n must be >= 1, got {body.n}")
     check_n(body.n, tm.args.max_n)
-    check_top_logprobs(top_logprobs, tm.args.max_top_logprobs)
+    check_top_logprobs(top_logprobs, tm.args.max_logprobs)
     if body.bootstrap_room is not None and len(prompts) * body.n > 1:
         raise ApiError("A request with bootstrap_room (prefill/decode pairing) takes one prompt and n=1.")
     params, max_set, _ = sampling_from_dict(openai_sampling_dict(body, max_tokens))

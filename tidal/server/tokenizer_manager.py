@@ -372,7 +372,7 @@ class TokenizerManager:
         sampling.min_new_tokens = min(sampling.min_new_tokens, sampling.max_new_tokens)
         if sampling.top_k >= ready.vocab_size:
             sampling.top_k = -1  # the same distribution, and a value the wire format can carry
-        check_top_logprobs(top_logprobs_num, self.args.max_top_logprobs)
+        check_top_logprobs(top_logprobs_num, self.args.max_logprobs)
         check_stop(sampling.stop, self.args.max_stop_strings, self.args.max_stop_string_chars)
         if not -1 <= logprob_start_len < n:
             raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
