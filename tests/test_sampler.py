@@ -293,3 +293,75 @@ def test_compute_prompt_logprobs():
     assert tops[0][0][1] == logits[0].argmax().item()
     lps2, tops2 = compute_prompt_logprobs(logits, targets, top_k=0)
     assert tops2 is None and lps2 == lps
+
+
+# ---------------------------------------------------------------- degenerate numbers
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-30, 9e-6])
+def test_tiny_temperature_is_greedy(temperature):
+    logits = torch.randn(64, 1000) * 5  # gaps / temperature overflow float32
+    out = sample(logits, [SamplingParams(temperature=temperature, seed=s) for s in range(64)],
+                 prompt_ids=[[1]] * 64).next_token_ids
+    assert torch.equal(out, logits.argmax(-1))
+    mixed = [SamplingParams(temperature=temperature), SamplingParams(temperature=1.0)] * 32
+    assert torch.equal(sample(logits, mixed).next_token_ids[0::2], logits[0::2].argmax(-1))
+
+
+EXTREME_PENALTIES = [
+    SamplingParams(temperature=0.7, repetition_penalty=1e-300),  # float32 0: x / 0 = inf
+    SamplingParams(temperature=0.7, repetition_penalty=1e300),  # float32 inf: 0 * inf = NaN
+    SamplingParams(temperature=0.7, repetition_penalty=3e38, frequency_penalty=2.0, presence_penalty=2.0),
+    SamplingParams(temperature=1e-5, repetition_penalty=1e-30, frequency_penalty=-2.0, presence_penalty=-2.0),
+    SamplingParams(temperature=0.0, repetition_penalty=1e300),
+]
+
+
+@pytest.mark.parametrize("p", EXTREME_PENALTIES)
+def test_extreme_penalties_give_no_nan_and_sane_ids(p):
+    logits = torch.randn(4, V) * 3
+    logits[:, 2] = 0.0  # a seen token at exactly 0: 0 * inf
+    outs, prompts = [[2, 3, 3], [2], [0, 1, 2, 4, 5], [2, 6]], [[2], [1, 2], [3], [7]]
+    info = build([p] * 4, outs, prompts)
+    penalised = Sampler._penalise(logits, info)
+    assert not penalised.isnan().any()
+    for _ in range(20):
+        ids = Sampler().sample(logits, info).next_token_ids
+        assert ((ids >= 0) & (ids < V)).all()
+        assert torch.isfinite(logits.gather(1, ids.unsqueeze(1))).all()
+        assert (penalised.gather(1, ids.unsqueeze(1)).squeeze(1) > -math.inf).all()
+
+
+def test_tiny_repetition_penalty_makes_the_seen_positive_token_win():
+    logits = torch.tensor([[1.0, 5.0, -1.0, 0, 0, 0, 0, 0]])
+    p = SamplingParams(temperature=0.7, repetition_penalty=1e-300)
+    for _ in range(20):  # token 0: 1.0 / 0 = +inf beats everything, sampled or not
+        assert sample(logits, [p], output_ids=[[0]]).next_token_ids.item() == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_row_without_usable_candidate_falls_back_to_raw_argmax(temperature):
+    # min_new_tokens masks EOS and every stop id: here, the whole vocabulary
+    logits = torch.randn(3, V)
+    params = [SamplingParams(temperature=temperature, min_new_tokens=5, stop_token_ids=list(range(V))),
+              SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_k=3)]
+    for _ in range(20):
+        ids = sample(logits, params).next_token_ids
+        assert ids[0].item() == logits[0].argmax().item()
+
+
+@pytest.mark.parametrize("params", [[SamplingParams(temperature=1.0)] * 3,
+                                    [SamplingParams(temperature=1.0, top_p=0.9)] * 3,
+                                    [SamplingParams(temperature=1.0, seed=1), SamplingParams(temperature=0.0),
+                                     SamplingParams(temperature=0.5, repetition_penalty=1.2)]])
+def test_no_id_from_a_nan_or_inf_row(params):
+    logits = torch.randn(3, V)
+    logits[0] = float("nan")
+    logits[1, 4] = float("nan")  # one NaN makes the whole softmax NaN
+    logits[1, 5] = 9.0
+    logits[2] = -math.inf
+    logits[2, 6] = float("nan")
+    for _ in range(20):
+        ids = sample(logits, params, output_ids=[[1], [1], [1]]).next_token_ids
+        assert ids[1].item() == 5  # the finite argmax, NaN counted as -inf
+        assert ((ids >= 0) & (ids < V)).all()

@@ -120,6 +120,13 @@ class ServerArgs:
     watchdog_timeout: float = 300.0
     log_level: str = "info"
     api_key: Optional[str] = None
+    # request limits (a request over one is a 400, or a 413 for the body size)
+    max_request_body_bytes: int = 8 * 1024 * 1024
+    max_n: int = 64
+    max_logprobs: int = 20
+    max_batch_size_per_request: int = 256
+    max_stop_strings: int = 32
+    max_stop_string_chars: int = 1024
 
     @property
     def model_name(self) -> str:
@@ -146,6 +153,12 @@ class ServerArgs:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        for name in ("max_request_body_bytes", "max_n", "max_batch_size_per_request", "max_stop_string_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+        for name in ("max_logprobs", "max_stop_strings"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -209,6 +222,18 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--log-level", default=d.log_level)
     a("--api-key", default=None,
       help="Bearer key every route but /health, /health_generate and /metrics requires (default: none, open)")
+    a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+      help=f"largest HTTP request body; a larger one is a 413 before it is parsed (default: {d.max_request_body_bytes}, 8 MiB)")
+    a("--max-n", type=int, default=d.max_n, help=f"largest n (completions per prompt) in one request (default: {d.max_n})")
+    a("--max-logprobs", "--max-top-logprobs", dest="max_logprobs", type=int, default=d.max_logprobs,
+      help=f"most top logprobs per token a request may ask for: top_logprobs_num, top_logprobs, logprobs "
+           f"(default: {d.max_logprobs}, as OpenAI)")
+    a("--max-batch-size-per-request", type=int, default=d.max_batch_size_per_request,
+      help=f"most prompts in one request: a /generate batch or a /v1/completions prompt list (default: {d.max_batch_size_per_request})")
+    a("--max-stop-strings", type=int, default=d.max_stop_strings,
+      help=f"most stop strings per request (default: {d.max_stop_strings})")
+    a("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
+      help=f"longest stop string, in characters (default: {d.max_stop_string_chars})")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

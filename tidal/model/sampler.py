@@ -1,8 +1,15 @@
 """Batched next-token sampling for a batch of B requests with logits [B, V].
 
 Pipeline for sampled rows: penalties -> min_new_tokens mask -> temperature -> top_k ->
-top_p -> min_p -> softmax -> draw. Greedy rows (temperature 0 or top_k 1) take the
-argmax of the penalised logits. Everything stays on the logits' device; the only
+top_p -> min_p -> softmax -> draw. Greedy rows (temperature below GREEDY_TEMPERATURE, or
+top_k 1) take the argmax of the penalised logits.
+
+Degenerate numbers: a penalty that overflows (0 * inf) bans the token (NaN -> -inf); a
+penalised logit that becomes +inf wins (it is clamped to the largest float before the
+softmax, so the softmax stays finite). A row left with no usable candidate (every
+penalised logit -inf or NaN, e.g. min_new_tokens masking a vocabulary made only of stop
+ids, or NaN logits from the model) takes the argmax of its raw logits, NaN counted as
+-inf: never an id drawn from a NaN distribution. Everything stays on the logits' device; the only
 host transfers are the per-row top-logprob lists at the very end.
 
 Logprobs are taken from log_softmax of the *raw* logits, before penalties, masks and
@@ -16,6 +23,7 @@ renormalisation before the draw), and lets seeded rows bring their own noise.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import chain
 from typing import Optional, Sequence
@@ -25,6 +33,10 @@ import torch
 from tidal.sampling_params import SamplingParams
 
 _MASK64 = (1 << 64) - 1
+_NEG_INF = -math.inf
+# Repetition penalties in this range cannot overflow float32 for logits below 1e29 even at
+# temperature 1e-5 (1e29 * 1e4 * 1e5 < 3.4e38); outside it the penalised logits are sanitised.
+_SAFE_REPETITION = (1e-4, 1e4)
 
 
 def _mix_seed(seed: int, step: int) -> int:
@@ -65,6 +77,7 @@ class PenaltyInfo:
     frequency: Optional[torch.Tensor]  # [P, 1] float32, or None if no freq/presence
     presence: Optional[torch.Tensor]  # [P, 1] float32
     output_counts: Optional[torch.Tensor]  # [P, V] float32, counts in output only
+    extreme: bool = False  # a repetition penalty outside _SAFE_REPETITION: NaN / inf possible
 
     def apply(self, logits: torch.Tensor) -> None:
         """In place on logits [B, V]."""
@@ -77,6 +90,8 @@ class PenaltyInfo:
             # OpenAI: subtract freq * count + presence * (count > 0), output tokens only.
             sub = sub - self.frequency * self.output_counts
             sub = sub - self.presence * (self.output_counts > 0).to(sub.dtype)
+        if self.extreme:
+            sub = sub.nan_to_num(nan=_NEG_INF, posinf=math.inf, neginf=_NEG_INF)  # 0 * inf: banned
         if self.rows is None:
             logits.copy_(sub)
         else:
@@ -112,6 +127,7 @@ def _build_penalties(
         frequency=freq,
         presence=pres,
         output_counts=out_counts if freq is not None else None,
+        extreme=any(not _SAFE_REPETITION[0] <= p.repetition_penalty <= _SAFE_REPETITION[1] for p in ps),
     )
 
 
@@ -273,14 +289,40 @@ def _race(
     return (probs / q.clamp_min_(torch.finfo(q.dtype).tiny)).argmax(dim=-1)
 
 
-def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
-    """Draw one token per row from the temperature/top-k/top-p/min-p distribution."""
-    probs = torch.softmax(logits / info.temperatures, dim=-1)
+def _sample_rows(logits: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row from the temperature/top-k/top-p/min-p distribution.
+
+    Returns (token ids [B], usable [B] bool): a row is unusable when its drawn
+    probability is 0 or NaN (no finite candidate was left).
+    """
+    scaled = logits / info.temperatures
+    if info.penalties is not None and info.penalties.extreme:  # a penalised +inf wins, finitely
+        scaled = scaled.nan_to_num_(nan=_NEG_INF, posinf=torch.finfo(scaled.dtype).max, neginf=_NEG_INF)
+    probs = torch.softmax(scaled, dim=-1)
     if not info.needs_filter:
-        return _race(probs, info, probs.shape[-1])
+        pick = _race(probs, info, probs.shape[-1])
+        return pick, _drawn_prob(probs, pick) > 0
     sorted_p, token_ids = _candidates(probs, info)
-    pick = _race(_filter_sorted(sorted_p, info), info, probs.shape[-1], token_ids)
-    return token_ids.gather(1, pick.unsqueeze(1)).squeeze(1)
+    filtered = _filter_sorted(sorted_p, info)
+    pick = _race(filtered, info, probs.shape[-1], token_ids)
+    return token_ids.gather(1, pick.unsqueeze(1)).squeeze(1), _drawn_prob(filtered, pick) > 0
+
+
+def _drawn_prob(values: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    return values.gather(1, cols.unsqueeze(1)).squeeze(1)
+
+
+def _raw_argmax_where_unusable(ids: torch.Tensor, usable: torch.Tensor, raw: torch.Tensor) -> torch.Tensor:
+    """Rows that had no usable candidate take the argmax of their raw logits (NaN as -inf).
+
+    Host sync on `usable.all()`: the caller reads the ids on the host right after anyway.
+    """
+    if bool(usable.all()):
+        return ids
+    bad = (~usable).nonzero().squeeze(1)
+    ids = ids.clone()
+    ids[bad] = raw.index_select(0, bad).nan_to_num(nan=_NEG_INF).argmax(dim=-1)
+    return ids
 
 
 def _top_logprobs(logprobs: torch.Tensor, nums: Sequence[int]) -> list[list[tuple[float, int]]]:
@@ -304,10 +346,15 @@ class Sampler:
         penalised = self._penalise(logits, info)
         if info.all_greedy:
             next_ids = penalised.argmax(dim=-1)
+            if penalised is not logits:  # else these are the raw logits: nothing to fall back to
+                next_ids = _raw_argmax_where_unusable(next_ids, _drawn_prob(penalised, next_ids) > _NEG_INF, logits)
         else:
-            next_ids = _sample_rows(penalised, info)
+            next_ids, usable = _sample_rows(penalised, info)
             if info.any_greedy:
-                next_ids = torch.where(info.is_greedy, penalised.argmax(dim=-1), next_ids)
+                greedy_ids = penalised.argmax(dim=-1)
+                next_ids = torch.where(info.is_greedy, greedy_ids, next_ids)
+                usable = torch.where(info.is_greedy, _drawn_prob(penalised, greedy_ids) > _NEG_INF, usable)
+            next_ids = _raw_argmax_where_unusable(next_ids, usable, logits)
         if not return_logprob:
             return SampleOutput(next_ids, None, None)
         logprobs = torch.log_softmax(logits.float(), dim=-1)

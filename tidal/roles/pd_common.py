@@ -42,7 +42,8 @@ class TransferComponents:
         from tidal.transfer import KVArgs, MetadataBuffers, create_kv_manager
 
         args = sched.args
-        self.metadata = MetadataBuffers(METADATA_SLOTS_PER_RUNNING_REQ * args.max_running_requests + 16)
+        self.metadata = MetadataBuffers(METADATA_SLOTS_PER_RUNNING_REQ * args.max_running_requests + 16,
+                                        args.max_logprobs)
         kv_args = KVArgs(
             engine_rank=sched.tp.rank,  # TP rank r pairs with the partner server's rank r
             tp_size=sched.tp.size,

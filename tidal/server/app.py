@@ -24,9 +24,11 @@ from starlette.responses import Response
 
 import tidal
 from tidal.config import ServerArgs, hide_model_paths
+from tidal.sampling_params import seed_for_copy
 from tidal.server import openai_api
 from tidal.server.admin import add_admin_api
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
+from tidal.server.limits import BodySizeLimitMiddleware, check_n, check_prompt_count
 from tidal.server.metrics import CONTENT_TYPE, Metrics
 from tidal.server.protocol import (
     SSE_DONE,
@@ -90,6 +92,8 @@ def create_app(ctx: ServerContext) -> FastAPI:
     app = FastAPI(title="tidal", version=tidal.__version__)
     app.state.ctx = ctx
     _install_error_handlers(app)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=ctx.args.max_request_body_bytes)
+    # added last, so it runs first: an unauthenticated body is never read
     app.add_middleware(AuthMiddleware, guard=Guard.for_server(ctx.args.api_key, ctx.args.admin_api_key))
     _add_native_routes(app)
     _add_info_routes(app)
@@ -109,22 +113,24 @@ def _pick(value: Any, i: int, name: str, count: int) -> Any:
     return value[i]
 
 
-def _generate_prompts(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
+async def _generate_prompts(tm: TokenizerManager, body: GenerateRequest) -> tuple[list[list[int]], bool]:
     if (body.text is None) == (body.input_ids is None):
         raise ApiError("Either text or input_ids should be provided (exactly one of them).")
     if body.text is not None:
         texts = body.text if isinstance(body.text, list) else [body.text]
-        ids, batched = [tm.tokenize(t) for t in texts], isinstance(body.text, list)
+        check_prompt_count(len(texts), tm.args.max_batch_size_per_request)
+        ids, batched = await tm.tokenize_all(texts), isinstance(body.text, list)
     else:
         batched = bool(body.input_ids) and isinstance(body.input_ids[0], list)
         ids = [list(x) for x in body.input_ids] if batched else [list(body.input_ids)]
+        check_prompt_count(len(ids), tm.args.max_batch_size_per_request)
     if not ids:
         raise ApiError("The batch is empty.")
     return ids, batched
 
 
-def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, bool, Optional[str]]:
-    prompts, batched = _generate_prompts(tm, body)
+async def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, bool, Optional[str]]:
+    prompts, batched = await _generate_prompts(tm, body)
     count = len(prompts)
     group = body.rid if isinstance(body.rid, str) else None
     reqs = []
@@ -133,6 +139,7 @@ def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, b
         if sp is not None and not isinstance(sp, dict):
             raise ApiError("sampling_params must be an object")
         params, max_set, n = sampling_from_dict(sp)
+        check_n(n, tm.args.max_n)
         batched = batched or n > 1
         if isinstance(body.rid, list):
             rid = _pick(body.rid, i, "rid", count)
@@ -140,7 +147,7 @@ def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[list, b
             rid = f"{group}-{i}" if group and count > 1 else group
         rid = rid or uuid.uuid4().hex
         for j in range(n):
-            p = msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + j)
+            p = msgspec.structs.replace(params, seed=seed_for_copy(params.seed, j))
             reqs.append(tm.make_req(
                 ids, p, max_set=max_set, rid=rid if n == 1 else f"{rid}-{j}", stream=body.stream,
                 return_logprob=bool(_pick(body.return_logprob, i, "return_logprob", count)),
@@ -177,7 +184,7 @@ def _add_native_routes(app: FastAPI) -> None:
     async def generate(request: Request) -> Response:
         tm = _ctx(request).tm
         body = parse_body(GenerateRequest, await request.body())
-        reqs, batched, group = _generate_reqs(tm, body)
+        reqs, batched, group = await _generate_reqs(tm, body)
         apply_expected_mode(request, reqs)
         states = tm.submit(reqs, group=group, text_in_logprobs=body.return_text_in_logprobs)
         if body.stream:

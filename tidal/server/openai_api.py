@@ -11,6 +11,8 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from tidal.sampling_params import seed_for_copy
+from tidal.server.limits import check_n, check_prompt_count, check_top_logprobs
 from tidal.server.protocol import (
     SSE_DONE,
     ApiError,
@@ -22,13 +24,12 @@ from tidal.server.protocol import (
     event_stream,
     openai_sampling_dict,
     parse_body,
+    refuse_unsupported_openai,
     run_until_done,
     sampling_from_dict,
     sse,
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
-
-MAX_TOP_LOGPROBS = 20
 
 
 @dataclass
@@ -74,8 +75,8 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
                 logprobs: bool, top_logprobs: int, prompt_logprobs: bool) -> list:
     if body.n < 1:
         raise ApiError(f"n must be >= 1, got {body.n}")
-    if not 0 <= top_logprobs <= MAX_TOP_LOGPROBS:
-        raise ApiError(f"logprobs / top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {top_logprobs}")
+    check_n(body.n, tm.args.max_n)
+    check_top_logprobs(top_logprobs, tm.args.max_logprobs)
     if body.bootstrap_room is not None and len(prompts) * body.n > 1:
         raise ApiError("A request with bootstrap_room (prefill/decode pairing) takes one prompt and n=1.")
     params, max_set, _ = sampling_from_dict(openai_sampling_dict(body, max_tokens))
@@ -83,7 +84,7 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
     reqs = []
     for i, ids in enumerate(prompts):
         for j in range(body.n):
-            p = msgspec.structs.replace(params, seed=None if params.seed is None else params.seed + j)
+            p = msgspec.structs.replace(params, seed=seed_for_copy(params.seed, j))
             rid = base if len(prompts) * body.n == 1 else f"{base}-{i * body.n + j}"
             reqs.append(tm.make_req(ids, p, max_set=max_set, rid=rid, stream=body.stream, return_logprob=logprobs,
                                     logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs,
@@ -105,27 +106,36 @@ async def _respond(request: Request, tm: TokenizerManager, call: _Call, body: An
 # ---------------------------------------------------------------- /v1/completions
 
 
-def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], list[str]]:
+async def _completion_prompts(tm: TokenizerManager, prompt: Any) -> tuple[list[list[int]], list]:
+    """(token ids, the prompts as a list) for a str / list[str] / list[int] / list[list[int]] prompt."""
     if isinstance(prompt, str):
         prompt = [prompt]
     if not prompt:
         raise ApiError("prompt must not be empty")
     if isinstance(prompt[0], int):
         prompt = [prompt]
-    ids = [tm.tokenize(p) if isinstance(p, str) else list(p) for p in prompt]
-    texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompt]
-    return ids, texts
+    check_prompt_count(len(prompt), tm.args.max_batch_size_per_request)
+    tokenized = iter(await tm.tokenize_all([p for p in prompt if isinstance(p, str)]))
+    ids = [next(tokenized) if isinstance(p, str) else list(p) for p in prompt]
+    return ids, prompt
+
+
+def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
+    """Per state, the prompt text to echo (token prompts decoded once they are validated)."""
+    texts = [p if isinstance(p, str) else tm.tokenizer.decode(p) for p in prompts]
+    return [t for t in texts for _ in range(n)]
 
 
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
-    ids, texts = _completion_prompts(tm, body.prompt)
+    refuse_unsupported_openai(body)
+    ids, prompts = await _completion_prompts(tm, body.prompt)
     if body.max_tokens is not None and body.max_tokens < 0:
         raise ApiError(f"max_tokens must be >= 0, got {body.max_tokens}")
     want_lp = body.logprobs is not None
     reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo)
     call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
-                 echo=[t for t in texts for _ in range(body.n)] if body.echo else [], logprobs=want_lp,
+                 echo=_echo_texts(tm, prompts, body.n) if body.echo else [], logprobs=want_lp,
                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
     apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
@@ -218,7 +228,7 @@ def _message_dict(m: ChatMessage) -> dict:
     return d
 
 
-def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage]) -> list[int]:
+async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage]) -> list[int]:
     tok = tm.tokenizer
     if not getattr(tok, "chat_template", None):
         raise ApiError("This model has no chat template; use /v1/completions")
@@ -227,17 +237,18 @@ def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage]) -> li
         prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja raises on template rule violations (role order, ...)
         raise ApiError(f"cannot apply the chat template: {e}") from None
-    return list(tok.encode(prompt, add_special_tokens=False))
+    return (await tm.tokenize_all([prompt], add_special_tokens=False))[0]
 
 
 async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
+    refuse_unsupported_openai(body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if max_tokens is not None and max_tokens < 0:
         raise ApiError(f"max_tokens must be >= 0, got {max_tokens}")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true")
-    ids = chat_prompt_ids(tm, body.messages)
+    ids = await chat_prompt_ids(tm, body.messages)
     reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False)
     call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
                  logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage))

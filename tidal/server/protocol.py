@@ -20,6 +20,7 @@ _ERROR_TYPES = {
     400: "BadRequestError",
     401: "AuthenticationError",
     404: "NotFoundError",
+    413: "RequestTooLargeError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",
@@ -119,6 +120,15 @@ class _OpenAIBase(_Body):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # declared so that they are refused (refuse_unsupported_openai), not silently ignored
+    regex: Optional[str] = None
+    json_schema: Optional[Union[str, dict[str, Any]]] = None
+    ebnf: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    functions: Optional[list[Any]] = None
+    function_call: Optional[Union[str, dict[str, Any]]] = None
 
 
 class CompletionRequest(_OpenAIBase):
@@ -143,6 +153,20 @@ class ChatCompletionRequest(_OpenAIBase):
     top_logprobs: Optional[int] = None
 
 
+def refuse_unsupported_openai(req: _OpenAIBase) -> None:
+    """400 for the OpenAI fields that ask for output tidal cannot constrain yet."""
+    fmt = req.response_format
+    if fmt is not None and fmt.get("type", "text") != "text":
+        raise ApiError(f"response_format type {fmt.get('type')!r} is not supported (constrained decoding "
+                       "is not implemented); only {\"type\": \"text\"} is")
+    if req.tools or req.functions:
+        raise ApiError("tools (function calling) are not supported by this server")
+    for name in ("tool_choice", "function_call"):
+        choice = getattr(req, name)
+        if choice is not None and choice not in ("none", "auto"):
+            raise ApiError(f"{name}={choice!r} is not supported by this server (no tools)")
+
+
 def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[str, Any]:
     """The OpenAI fields of `req` under SGLang's sampling parameter names (unset ones left out)."""
     pairs = {
@@ -161,22 +185,30 @@ def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[st
         "stop_token_ids": req.stop_token_ids,
         "stop": req.stop,
         "seed": req.seed,
+        "regex": req.regex,
+        "json_schema": req.json_schema,
+        "ebnf": req.ebnf,
     }
     # max_new_tokens stays even when None: an explicit null means "up to the context length"
     return {k: v for k, v in pairs.items() if v is not None or k == "max_new_tokens"}
 
 
 _SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
+CONSTRAINED_DECODING_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def sampling_from_dict(d: Optional[dict[str, Any]]) -> tuple[SamplingParams, bool, int]:
     """SGLang `sampling_params` -> (SamplingParams, max_new_tokens_was_set, n).
 
-    Unknown keys are ignored; `stop` may be a string; `sampling_seed` is an alias of
+    Unknown keys are ignored, but the constrained-decoding ones are refused (400) rather
+    than dropped; `stop` may be a string; `sampling_seed` is an alias of
     `seed`. Raises ApiError on a wrong type; values are checked later, by
     TokenizerManager.make_req, once the prompt length is known.
     """
     d = dict(d or {})
+    for key in CONSTRAINED_DECODING_KEYS:
+        if d.get(key) is not None:
+            raise ApiError(f"{key} is not supported by this server (constrained decoding is not implemented)")
     n = d.pop("n", None)
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

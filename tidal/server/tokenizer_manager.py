@@ -42,11 +42,15 @@ from tidal.messages import (
 )
 from tidal.sampling_params import SamplingParams
 from tidal.server.detokenizer import IncrementalDetokenizer, decode_tokens
+from tidal.server.limits import check_stop, check_top_logprobs, max_chars_per_token
 from tidal.server.protocol import ApiError
 
 logger = logging.getLogger(__name__)
 
 RPC_TIMEOUT_S = 10.0
+# Texts up to this many characters (in all, per request) are tokenized on the event loop
+# (about a millisecond); longer ones in a worker thread, so other clients are not stalled.
+INLINE_TOKENIZE_CHARS = 32 * 1024
 
 
 def load_server_tokenizer(args: ServerArgs) -> Any:
@@ -184,6 +188,7 @@ class TokenizerManager:
     def __init__(self, args: ServerArgs, tokenizer: Any = None, metrics: Any = None) -> None:
         self.args = args
         self.tokenizer = tokenizer if tokenizer is not None else load_server_tokenizer(args)
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.metrics = metrics
         self.ready: Optional[SchedulerReady] = None
         self.mode, self.epoch = args.disaggregation_mode, 0  # last known; the scheduler is authoritative
@@ -306,8 +311,41 @@ class TokenizerManager:
 
     # ------------------------------------------------------------ requests
 
-    def tokenize(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    async def tokenize_all(self, texts: Sequence[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """Tokenize without blocking the event loop: a text that certainly has too many
+        tokens is refused before tokenizing, long texts are encoded in a worker thread
+        (Rust tokenizers release the GIL while they encode)."""
+        for t in texts:
+            self._refuse_certainly_too_long(t)
+        if sum(len(t) for t in texts) <= INLINE_TOKENIZE_CHARS:
+            return self._tokenize_within_limit(texts, add_special_tokens)
+        return await asyncio.to_thread(self._tokenize_within_limit, texts, add_special_tokens)
+
+    def _tokenize_within_limit(self, texts: Sequence[str], add_special_tokens: bool) -> list[list[int]]:
+        """Stops at the first text that is too long (a batch of them is refused for the price of one)."""
+        out = []
+        for t in texts:
+            out.append(self.tokenize(t, add_special_tokens))
+            self._check_input_len(len(out[-1]))
+        return out
+
+    def _refuse_certainly_too_long(self, text: str) -> None:
+        self._check_alive()
+        per_token = self.max_chars_per_token
+        if per_token is not None and len(text) > self.ready.max_req_input_len * per_token:
+            raise self._too_long(f"{len(text)} characters, so more than {len(text) // per_token} tokens")
+
+    def _check_input_len(self, n: int) -> None:
+        if n > self.ready.max_req_input_len:
+            raise self._too_long(f"{n} tokens")
+
+    def _too_long(self, size: str) -> ApiError:
+        ready = self.ready
+        return ApiError(f"The input ({size}) is longer than the model's maximum input length "
+                        f"({ready.max_req_input_len} tokens; context length {ready.context_length} tokens).")
 
     def make_req(
         self, input_ids: list[int], sampling: SamplingParams, *, max_set: bool = True,
@@ -320,12 +358,9 @@ class TokenizerManager:
         ready, n = self.ready, len(input_ids)
         if n == 0:
             raise ApiError("The prompt is empty; it must contain at least one token.")
+        self._check_input_len(n)
         if any(not 0 <= t < ready.vocab_size for t in input_ids):
             raise ApiError(f"input_ids must be token ids in [0, {ready.vocab_size})")
-        if n > ready.max_req_input_len:
-            raise ApiError(
-                f"The input ({n} tokens) is longer than the model's maximum input length "
-                f"({ready.max_req_input_len} tokens; context length {ready.context_length} tokens).")
         remaining = max(ready.context_length - n, 0)
         if not max_set:
             sampling.max_new_tokens = remaining
@@ -335,8 +370,10 @@ class TokenizerManager:
             raise ApiError(str(e)) from None
         sampling.max_new_tokens = min(sampling.max_new_tokens, remaining)
         sampling.min_new_tokens = min(sampling.min_new_tokens, sampling.max_new_tokens)
-        if top_logprobs_num < 0:
-            raise ApiError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}")
+        if sampling.top_k >= ready.vocab_size:
+            sampling.top_k = -1  # the same distribution, and a value the wire format can carry
+        check_top_logprobs(top_logprobs_num, self.args.max_logprobs)
+        check_stop(sampling.stop, self.args.max_stop_strings, self.args.max_stop_string_chars)
         if not -1 <= logprob_start_len < n:
             raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
         return GenerateReq(
@@ -360,7 +397,7 @@ class TokenizerManager:
             self._states[state.rid] = state
             try:
                 self._send(state.req)
-            except ApiError:
+            except BaseException:  # nothing may stay registered: the rids must be reusable
                 self.abort_states(states)
                 raise
         return states
