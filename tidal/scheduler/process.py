@@ -20,6 +20,7 @@ import msgspec
 import zmq
 
 from tidal.config import ServerArgs
+from tidal.leftovers import exit_now
 from tidal.messages import (
     BatchOut,
     SchedulerError,
@@ -43,14 +44,41 @@ def _die_with_parent() -> None:
             pass
 
 
+class _Terminated(BaseException):
+    """SIGTERM: raised wherever the rank is (a forward pass, a TP collective's wait, zmq poll)."""
+
+
+def _on_sigterm(*_) -> None:
+    raise _Terminated()
+
+
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int = 0,
                           tp_comm_name: Optional[str] = None) -> None:
+    """Runs until SIGTERM (exit 0, at once: see exit_now) or a fatal error (exit 1)."""
     _die_with_parent()
     who = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
     logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {who}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    cleanup: list = []
+    try:
+        _run(args, recv_addr, send_addr, tp_rank, tp_comm_name, who, cleanup)
+    except _Terminated:
+        logger.info("SIGTERM: stopping")
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the cleanup
+        for step in reversed(cleanup):
+            try:
+                step()
+            except Exception:
+                logger.exception("cleanup step failed")
+        exit_now(0)
+
+
+def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm_name: Optional[str],
+         who: str, cleanup: list) -> None:
+    """`cleanup` collects what SIGTERM must release, in the order it was acquired."""
     ctx = zmq.Context(1)
+    cleanup.append(lambda: ctx.destroy(linger=0))
     recv = None
     if tp_rank == 0:
         recv = ctx.socket(zmq.PULL)
@@ -60,7 +88,9 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
     comm = None
     try:
         comm = make_comm(args, tp_rank, tp_comm_name)
+        cleanup.append(comm.close)
         sched = build_scheduler(args, comm)
+        cleanup.append(sched.shutdown)
         comm.all_gather_ints([1])  # every rank built its part before rank 0 says ready
     except Exception as e:  # report why we could not start, then exit non-zero
         logger.error("scheduler failed to start: %s", e)
@@ -82,9 +112,6 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
         send.close(linger=2000)
         sched.shutdown()
         os._exit(1)
-    finally:  # SIGTERM arrives as SystemExit: release sockets, threads, shared memory
-        sched.shutdown()
-        comm.close()
 
 
 def _peer_aborted(e: BaseException) -> bool:
