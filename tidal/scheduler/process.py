@@ -13,6 +13,7 @@ import logging
 import os
 import signal
 import sys
+import time
 import traceback
 from typing import Optional
 
@@ -23,6 +24,7 @@ from tidal.config import ServerArgs
 from tidal.leftovers import exit_now
 from tidal.messages import (
     BatchOut,
+    LoadSnapshot,
     SchedulerError,
     SchedulerReady,
     decode_to_scheduler,
@@ -32,6 +34,7 @@ from tidal.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+LOAD_SNAPSHOT_INTERVAL_S = 0.2
 
 
 def _die_with_parent() -> None:
@@ -163,6 +166,8 @@ class SchedulerLoop:
         self.recv = recv
         self.send = send
         self.poller = zmq.Poller()
+        self.snapshot_at = 0.0
+        self.was_busy = True
         if recv is not None:
             self.poller.register(recv, zmq.POLLIN)
 
@@ -171,7 +176,7 @@ class SchedulerLoop:
             for frame in self._inbox():
                 self.sched.handle(decode_to_scheduler(frame))
             did_work = self.sched.step()
-            self._flush()
+            self._flush(did_work)
             if not did_work:
                 self._on_idle()
 
@@ -191,7 +196,7 @@ class SchedulerLoop:
             except zmq.Again:
                 return frames
 
-    def _flush(self) -> None:
+    def _flush(self, did_work: bool) -> None:
         outputs = self.sched.take_outbox()
         if self.tp.rank != 0:  # rank 0 answers for all ranks
             self.sched.take_replies()
@@ -200,6 +205,16 @@ class SchedulerLoop:
             self.send.send(encode(BatchOut(outputs=outputs)))
         for reply in self.sched.take_replies():
             self.send.send(encode(reply))
+        self._send_load_snapshot(did_work)
+
+    def _send_load_snapshot(self, did_work: bool) -> None:
+        """Every LOAD_SNAPSHOT_INTERVAL_S, and at once when the work runs out (the idle state
+        is what a client checks after its requests ended)."""
+        now = time.monotonic()
+        went_idle, self.was_busy = self.was_busy and not did_work, did_work
+        if went_idle or now - self.snapshot_at >= LOAD_SNAPSHOT_INTERVAL_S:
+            self.snapshot_at = now
+            self.send.send(encode(LoadSnapshot(stats=self.sched.make_stats(0))))
 
     def _on_idle(self) -> None:
         if self.sched.args.enable_integrity_check and self.sched.is_idle():
