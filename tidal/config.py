@@ -69,6 +69,7 @@ class ServerArgs:
     stream_interval: int = 1
     enable_integrity_check: bool = False
     watchdog_timeout: float = 300.0
+    http_read_timeout_secs: float = 20.0
     log_level: str = "info"
     api_key: Optional[str] = None
 
@@ -97,6 +98,8 @@ class ServerArgs:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.http_read_timeout_secs <= 0:
+            raise ValueError("--http-read-timeout-secs must be > 0")
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -139,6 +142,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--stream-interval", type=int, default=d.stream_interval)
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout)
+    a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,
+      help="close a connection whose whole request (head and body) has not arrived this many seconds "
+           f"after it opened or after its previous response (slowloris); default {d.http_read_timeout_secs:g}")
     a("--log-level", default=d.log_level)
     a("--api-key", default=None)
 

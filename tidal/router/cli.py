@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional
 
+from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
 from tidal.router.workers import (
@@ -57,6 +58,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--api-key", default=None, help="sent to the workers as a Bearer token")
     s.add_argument("--worker-admin-api-key", default=None, help="sent to the workers' admin API for role moves")
     s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
+    s.add_argument("--http-read-timeout-secs", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="close a connection whose whole request has not arrived this many seconds after it "
+                        f"opened or after its previous response (slowloris); default {DEFAULT_READ_TIMEOUT_S:g}")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
 
 
@@ -99,7 +103,8 @@ def run_router(ns: argparse.Namespace) -> int:
     if not (cfg.prefill or cfg.decode or cfg.workers):
         logger.warning("no workers given: add them with POST /add_worker")
     app = create_router_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
+                http=h11_with_read_timeout(ns.http_read_timeout_secs))
     return 0
 
 

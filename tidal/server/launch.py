@@ -27,11 +27,12 @@ import zmq
 import zmq.asyncio
 
 from tidal.config import ServerArgs
+from tidal.http_timeout import h11_with_read_timeout
+from tidal.leftovers import sweep_stale_segments
 from tidal.messages import SchedulerError, SchedulerReady, decode_to_api
 from tidal.server.app import ServerContext, create_app
 from tidal.server.metrics import Metrics
 from tidal.server.tokenizer_manager import TokenizerManager, load_server_tokenizer
-from tidal.leftovers import sweep_stale_segments
 
 logger = logging.getLogger(__name__)
 
@@ -255,7 +256,8 @@ async def _wait_ready(pull: Any, proc: SchedulerProcs, control: _Control,
 async def _serve(args: ServerArgs, ctx: ServerContext, proc: SchedulerProcs, control: _Control) -> int:
     config = uvicorn.Config(
         create_app(ctx), host=args.host, port=args.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False)
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False,
+        http=h11_with_read_timeout(args.http_read_timeout_secs))
     server = _Server(config)
     control.server = server
     if control.signum is not None:
