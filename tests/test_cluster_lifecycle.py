@@ -19,6 +19,7 @@ from servers import Server, free_port
 pytestmark = pytest.mark.timeout(600)
 
 CTRL_C_STOP_S = 3.0
+SCHEDULER_STOP_S = 1.0  # was 1.5-3.8 s: the interpreter's teardown after the loop ended
 
 
 def start_cluster() -> Server:
@@ -101,3 +102,21 @@ def test_kill_9_of_a_decode_server_leaves_no_process_and_no_shared_memory():
         assert segments_of(pids) == []
     finally:
         cluster.stop()
+
+
+def test_a_scheduler_exits_0_within_1s_of_sigterm():
+    server = Server("--disaggregation-mode", "prefill", "--disaggregation-transfer-backend", "shm",
+                    "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1")
+    try:
+        ranks = [c for c in psutil.Process(server.proc.pid).children() if "spawn_main" in " ".join(c.cmdline())]
+        assert len(ranks) == 1 and segments_of({ranks[0].pid})
+        t0 = time.monotonic()
+        ranks[0].send_signal(signal.SIGTERM)
+        left = wait_gone(ranks, 10)
+        took = time.monotonic() - t0
+        assert not left and took < SCHEDULER_STOP_S, f"the scheduler took {took:.2f}s to exit"
+        assert server.proc.wait(30) == 1  # the server stops when its scheduler is gone
+        assert "scheduler process stopped (exit code 0)" in open(server.log.name).read()
+        assert segments_of({ranks[0].pid}) == []
+    finally:
+        server.stop()
