@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import sys
 import time
@@ -68,13 +67,17 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
         _run(args, recv_addr, send_addr, tp_rank, tp_comm_name, who, cleanup)
     except _Terminated:
         logger.info("SIGTERM: stopping")
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not interrupt the cleanup
-        for step in reversed(cleanup):
-            try:
-                step()
-            except Exception:
-                logger.exception("cleanup step failed")
+        _release(cleanup)
         exit_now(0)
+
+
+def _release(cleanup: list) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now must not interrupt the cleanup
+    for step in reversed(cleanup):
+        try:
+            step()
+        except Exception:
+            logger.exception("cleanup step failed")
 
 
 def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm_name: Optional[str],
@@ -102,7 +105,8 @@ def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm
         if comm is not None:
             comm.abort()
         send.close(linger=2000)
-        sys.exit(1)
+        _release(cleanup)
+        exit_now(1)  # a SIGTERM during the interpreter's teardown would be lost in a __del__
     if tp_rank == 0:
         send.send(encode(ready_message(sched)))
     try:
@@ -113,8 +117,8 @@ def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm
             send.send(encode(SchedulerError(message=f"{who} crashed: {type(e).__name__}: {e}")))
         comm.abort()  # the other ranks' next collective fails at once instead of timing out
         send.close(linger=2000)
-        sched.shutdown()
-        os._exit(1)
+        _release(cleanup)
+        exit_now(1)
 
 
 def _peer_aborted(e: BaseException) -> bool:
