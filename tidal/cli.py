@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
         return run_router(args)
     if args.command == "cluster":
         from tidal.cluster import run_cluster
+        from tidal.leftovers import exit_now
 
-        return run_cluster(args)
+        exit_now(run_cluster(args))  # the cluster's processes and shared memory are gone
     if args.command == "bench":
         from tidal.bench import run_bench
 

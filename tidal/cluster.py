@@ -1,7 +1,8 @@
 """`tidal cluster`: prefill, decode (and null) servers plus the router on one machine.
 
 Every server is a child process; Ctrl-C / SIGTERM stops them all, and the death of
-any one stops the rest, so nothing is left behind.
+any one stops the rest, so nothing is left behind: once every process of the cluster is
+gone, the shared memory that a member killed with SIGKILL could not remove is swept.
 """
 
 from __future__ import annotations
@@ -17,9 +18,14 @@ from dataclasses import dataclass
 from typing import Optional
 
 import httpx
+import psutil
+
+from tidal.leftovers import sweep_stale_segments
 
 READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
+DESCENDANT_EXIT_S = 2.0  # a dead server's scheduler ranks get SIGKILL from the kernel (PDEATHSIG)
+POLL_S = 0.1
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -116,7 +122,34 @@ def _wait_healthy(children: list[Child], deadline: float, stop: dict) -> None:
         time.sleep(0.5)
 
 
+def _descendants(children: list[Child]) -> list[psutil.Process]:
+    procs = []
+    for c in children:
+        try:
+            procs += psutil.Process(c.proc.pid).children(recursive=True)
+        except psutil.Error:
+            pass  # exited: its ranks are dying with it
+    return procs
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """psutil.wait_procs polls non-children slowly (~1 s here); this checks every 20 ms."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and any(_running(p) for p in procs):
+        time.sleep(0.02)
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
 def stop_all(children: list[Child]) -> None:
+    """SIGTERM every member, SIGKILL those still there after STOP_TIMEOUT_S, wait for their
+    descendants (scheduler ranks), then sweep the shared memory the dead left."""
+    descendants = _descendants(children)
     for c in reversed(children):
         if c.proc.poll() is None:
             c.proc.send_signal(signal.SIGTERM)
@@ -127,6 +160,8 @@ def stop_all(children: list[Child]) -> None:
         except subprocess.TimeoutExpired:
             c.proc.kill()
             c.proc.wait()
+    _wait_gone(descendants, DESCENDANT_EXIT_S)
+    sweep_stale_segments()
 
 
 def run_cluster(ns: argparse.Namespace) -> int:
@@ -157,8 +192,9 @@ def run_cluster(ns: argparse.Namespace) -> int:
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 print(f"[cluster] {dead[0].name} exited ({dead[0].proc.returncode}); stopping", file=sys.stderr)
+                sweep_stale_segments()  # now, in case the stop below is itself interrupted
                 return 1
-            time.sleep(0.5)
+            time.sleep(POLL_S)
         return 0
     except (RuntimeError, TimeoutError) as e:
         print(f"[cluster] {e}", file=sys.stderr)

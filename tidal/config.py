@@ -135,6 +135,7 @@ class ServerArgs:
     stream_interval: int = 1
     enable_integrity_check: bool = False
     watchdog_timeout: float = 300.0
+    http_read_timeout_secs: float = 20.0
     log_level: str = "info"
     api_key: Optional[str] = None
     # request limits (a request over one is a 400, or a 413 for the body size)
@@ -176,6 +177,8 @@ class ServerArgs:
         for name in ("max_logprobs", "max_stop_strings"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.http_read_timeout_secs <= 0:
+            raise ValueError("--http-read-timeout-secs must be > 0")
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -236,6 +239,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--stream-interval", type=int, default=d.stream_interval)
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout)
+    a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,
+      help="close a connection whose whole request (head and body) has not arrived this many seconds "
+           f"after it opened or after its previous response (slowloris); default {d.http_read_timeout_secs:g}")
     a("--log-level", default=d.log_level)
     a("--api-key", default=None,
       help="Bearer key every route but /health, /health_generate and /metrics requires "

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import sys
 from typing import Optional, Sequence
 
 from tidal.cli_help import DefaultsHelpFormatter
@@ -37,4 +36,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from tidal.leftovers import exit_now
+
+    exit_now(main())  # launch_server stopped the schedulers and removed what it created

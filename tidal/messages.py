@@ -151,6 +151,14 @@ class StatsResp(_Msg):
     transfer_latency_sum: float = 0.0
 
 
+class LoadSnapshot(_Msg):
+    """Unsolicited StatsResp (call_id 0) that rank 0 pushes between iterations, at most every
+    LOAD_SNAPSHOT_INTERVAL_S: /get_load and /metrics answer from the latest one at once,
+    even while one iteration runs for seconds (a StatsReq waits for the next iteration)."""
+
+    stats: StatsResp
+
+
 class SwitchModeResp(_Msg):
     call_id: int
     status_code: int
@@ -178,7 +186,8 @@ class SchedulerError(_Msg):
     message: str
 
 
-ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, SchedulerError, SwitchModeResp, ModeStatusResp]
+ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, LoadSnapshot, SchedulerError, SwitchModeResp,
+              ModeStatusResp]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import uuid
 
 import torch
 
@@ -13,18 +12,13 @@ from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attention import TorchNativeAttnBackend
 from tidal.model.forward_batch import ForwardBatch
 from tidal.model.loader import load_model
+from tidal.leftovers import owned_segment_name
 
 logger = logging.getLogger(__name__)
 
 # KV pool ceiling on CPU: the pool is zero-filled up front, so an oversized one costs RAM for nothing.
 CPU_MAX_TOTAL_TOKENS = 1 << 20
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def kv_shm_prefix(server_pid: int) -> str:
-    """Names of the shared KV pools of a server's scheduler ranks (the parent is the API
-    process, which removes what a killed rank could not)."""
-    return f"tidal-kv-{server_pid}-"
 
 
 def resolve_device(name: str) -> torch.device:
@@ -92,7 +86,7 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
-            shm_name=f"{kv_shm_prefix(os.getppid())}{os.getpid()}-{uuid.uuid4().hex[:8]}" if shm else None)
+            shm_name=owned_segment_name("kv") if shm else None)  # swept if this rank dies unclean
         logger.info("model %s: %s on %s, KV pool %d tokens%s", args.model_path, self.dtype, self.device,
                     self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 

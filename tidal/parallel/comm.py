@@ -79,8 +79,12 @@ def segment_bytes(size: int, slot_bytes: int = DEFAULT_SLOT_BYTES) -> int:
 
 
 def create_segment(size: int, slot_bytes: int = DEFAULT_SLOT_BYTES, name: Optional[str] = None) -> str:
-    """Creates (zeroed) the segment for `size` ranks; the creator unlinks it with `unlink_segment`.
-    Pages are backed only as collectives touch them."""
+    """Creates (zeroed) the segment for `size` ranks; the creator owns it (its name says so, see
+    tidal.leftovers) and unlinks it with `unlink_segment`. Pages are backed only as collectives
+    touch them."""
+    from tidal.leftovers import owned_segment_name
+
+    name = name or owned_segment_name("tp")
     shm = shared_memory.SharedMemory(name=name, create=True, size=segment_bytes(size, slot_bytes))
     shm.buf[:HEADER_BYTES] = bytes(HEADER_BYTES)
     created = shm.name

@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Optional
 
+from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
 from tidal.config import keys_from_env
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
@@ -67,6 +68,9 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="sent to the workers' admin routes for role moves and /flush_cache "
                         "(default: $TIDAL_WORKER_ADMIN_API_KEY, else --api-key)")
     s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
+    s.add_argument("--http-read-timeout-secs", type=float, default=DEFAULT_READ_TIMEOUT_S,
+                   help="close a connection whose whole request has not arrived this many seconds after it "
+                        f"opened or after its previous response (slowloris); default {DEFAULT_READ_TIMEOUT_S:g}")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
 
 
@@ -111,7 +115,8 @@ def run_router(ns: argparse.Namespace) -> int:
     if not (cfg.prefill or cfg.decode or cfg.workers):
         logger.warning("no workers given: add them with POST /add_worker")
     app = create_router_app(cfg)
-    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
+                http=h11_with_read_timeout(ns.http_read_timeout_secs))
     return 0
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import signal
 import sys
+import time
 import traceback
 from typing import Optional
 
@@ -20,8 +20,10 @@ import msgspec
 import zmq
 
 from tidal.config import ServerArgs
+from tidal.leftovers import exit_now
 from tidal.messages import (
     BatchOut,
+    LoadSnapshot,
     SchedulerError,
     SchedulerReady,
     decode_to_scheduler,
@@ -31,6 +33,7 @@ from tidal.messages import (
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+LOAD_SNAPSHOT_INTERVAL_S = 0.2
 
 
 def _die_with_parent() -> None:
@@ -43,14 +46,45 @@ def _die_with_parent() -> None:
             pass
 
 
+class _Terminated(BaseException):
+    """SIGTERM: raised wherever the rank is (a forward pass, a TP collective's wait, zmq poll)."""
+
+
+def _on_sigterm(*_) -> None:
+    raise _Terminated()
+
+
 def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int = 0,
                           tp_comm_name: Optional[str] = None) -> None:
+    """Runs until SIGTERM (exit 0, at once: see exit_now) or a fatal error (exit 1)."""
     _die_with_parent()
     who = "scheduler" if args.tp_size == 1 else f"scheduler TP{tp_rank}"
     logging.basicConfig(level=args.log_level.upper(), format=f"[%(asctime)s {who}] %(levelname)s %(message)s")
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the API process decides when we stop
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    cleanup: list = []
+    try:
+        _run(args, recv_addr, send_addr, tp_rank, tp_comm_name, who, cleanup)
+    except _Terminated:
+        logger.info("SIGTERM: stopping")
+        _release(cleanup)
+        exit_now(0)
+
+
+def _release(cleanup: list) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a SIGTERM now must not interrupt the cleanup
+    for step in reversed(cleanup):
+        try:
+            step()
+        except Exception:
+            logger.exception("cleanup step failed")
+
+
+def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm_name: Optional[str],
+         who: str, cleanup: list) -> None:
+    """`cleanup` collects what SIGTERM must release, in the order it was acquired."""
     ctx = zmq.Context(1)
+    cleanup.append(lambda: ctx.destroy(linger=0))
     recv = None
     if tp_rank == 0:
         recv = ctx.socket(zmq.PULL)
@@ -60,7 +94,9 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
     comm = None
     try:
         comm = make_comm(args, tp_rank, tp_comm_name)
+        cleanup.append(comm.close)
         sched = build_scheduler(args, comm)
+        cleanup.append(sched.shutdown)
         comm.all_gather_ints([1])  # every rank built its part before rank 0 says ready
     except Exception as e:  # report why we could not start, then exit non-zero
         logger.error("scheduler failed to start: %s", e)
@@ -69,7 +105,8 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
         if comm is not None:
             comm.abort()
         send.close(linger=2000)
-        sys.exit(1)
+        _release(cleanup)
+        exit_now(1)  # a SIGTERM during the interpreter's teardown would be lost in a __del__
     if tp_rank == 0:
         send.send(encode(ready_message(sched)))
     try:
@@ -80,11 +117,8 @@ def run_scheduler_process(args: ServerArgs, recv_addr: str, send_addr: str, tp_r
             send.send(encode(SchedulerError(message=f"{who} crashed: {type(e).__name__}: {e}")))
         comm.abort()  # the other ranks' next collective fails at once instead of timing out
         send.close(linger=2000)
-        sched.shutdown()
-        os._exit(1)
-    finally:  # SIGTERM arrives as SystemExit: release sockets, threads, shared memory
-        sched.shutdown()
-        comm.close()
+        _release(cleanup)
+        exit_now(1)
 
 
 def _peer_aborted(e: BaseException) -> bool:
@@ -136,6 +170,8 @@ class SchedulerLoop:
         self.recv = recv
         self.send = send
         self.poller = zmq.Poller()
+        self.snapshot_at = 0.0
+        self.was_busy = True
         if recv is not None:
             self.poller.register(recv, zmq.POLLIN)
 
@@ -144,7 +180,7 @@ class SchedulerLoop:
             for frame in self._inbox():
                 self.sched.handle(decode_to_scheduler(frame))
             did_work = self.sched.step()
-            self._flush()
+            self._flush(did_work)
             if not did_work:
                 self._on_idle()
 
@@ -164,7 +200,7 @@ class SchedulerLoop:
             except zmq.Again:
                 return frames
 
-    def _flush(self) -> None:
+    def _flush(self, did_work: bool) -> None:
         outputs = self.sched.take_outbox()
         if self.tp.rank != 0:  # rank 0 answers for all ranks
             self.sched.take_replies()
@@ -173,6 +209,16 @@ class SchedulerLoop:
             self.send.send(encode(BatchOut(outputs=outputs)))
         for reply in self.sched.take_replies():
             self.send.send(encode(reply))
+        self._send_load_snapshot(did_work)
+
+    def _send_load_snapshot(self, did_work: bool) -> None:
+        """Every LOAD_SNAPSHOT_INTERVAL_S, and at once when the work runs out (the idle state
+        is what a client checks after its requests ended)."""
+        now = time.monotonic()
+        went_idle, self.was_busy = self.was_busy and not did_work, did_work
+        if went_idle or now - self.snapshot_at >= LOAD_SNAPSHOT_INTERVAL_S:
+            self.snapshot_at = now
+            self.send.send(encode(LoadSnapshot(stats=self.sched.make_stats(0))))
 
     def _on_idle(self) -> None:
         if self.sched.args.enable_integrity_check and self.sched.is_idle():

@@ -9,6 +9,7 @@ Python 3.11: inside a request the accepted socket had proto=6 and TCP_NODELAY=1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -282,9 +283,10 @@ def _add_info_routes(app: FastAPI) -> None:
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/get_load")
     async def get_load(request: Request) -> Response:
-        st = await _ctx(request).tm.get_stats()
+        st, age = await _ctx(request).tm.latest_stats()  # not an RPC: it must answer under load
         return JSONResp([{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
-                          "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens}])
+                          "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens,
+                          "age_s": round(age, 3)}])
 
     async def flush_cache(request: Request) -> Response:
         resp = await _ctx(request).tm.flush_cache()
@@ -306,5 +308,6 @@ def _add_admin_routes(app: FastAPI) -> None:
     async def metrics(request: Request) -> Response:
         ctx = _ctx(request)
         if ctx.tm.alive:
-            ctx.metrics.set_stats(await _try_stats(ctx.tm))
+            with contextlib.suppress(ApiError):
+                ctx.metrics.set_stats(*await ctx.tm.latest_stats(timeout=STATS_TIMEOUT_S))
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)

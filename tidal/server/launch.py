@@ -27,6 +27,8 @@ import zmq
 import zmq.asyncio
 
 from tidal.config import ServerArgs
+from tidal.http_timeout import h11_with_read_timeout
+from tidal.leftovers import sweep_stale_segments
 from tidal.messages import SchedulerError, SchedulerReady, decode_to_api
 from tidal.server.app import ServerContext, create_app
 from tidal.server.metrics import Metrics
@@ -77,6 +79,7 @@ def launch_server(args: ServerArgs, scheduler_target: Optional[Callable] = None)
     if port_error:  # before the scheduler spends minutes loading a model
         print(f"tidal: cannot listen on {args.host}:{args.port}: {port_error}", file=sys.stderr, flush=True)
         return 1
+    sweep_stale_segments()  # left by tidal processes on this host that were killed
     control = _Control()
     old = {s: signal.signal(s, control.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     tmpdir = tempfile.mkdtemp(prefix="tidal-")
@@ -153,20 +156,7 @@ class SchedulerProcs:
 
             unlink_segment(self.comm_name)
             self.comm_name = None
-        _remove_leftover_kv_pools()
-
-
-def _remove_leftover_kv_pools() -> None:
-    """A rank killed with SIGKILL cannot unlink its shared KV pool; its parent can."""
-    from tidal.model.runner import kv_shm_prefix
-
-    prefix = kv_shm_prefix(os.getpid())
-    with contextlib.suppress(OSError):
-        for name in os.listdir("/dev/shm"):
-            if name.startswith(prefix):
-                logger.warning("removing the shared KV pool /dev/shm/%s of a scheduler that did not", name)
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join("/dev/shm", name))
+        sweep_stale_segments()  # what a rank killed with SIGKILL could not unlink
 
 
 def _stop_child(proc: multiprocessing.Process) -> None:
@@ -267,7 +257,8 @@ async def _wait_ready(pull: Any, proc: SchedulerProcs, control: _Control,
 async def _serve(args: ServerArgs, ctx: ServerContext, proc: SchedulerProcs, control: _Control) -> int:
     config = uvicorn.Config(
         create_app(ctx), host=args.host, port=args.port, log_level=args.log_level.lower(),
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False)
+        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S, lifespan="off", access_log=False,
+        http=h11_with_read_timeout(args.http_read_timeout_secs))
     server = _Server(config)
     control.server = server
     if control.signum is not None:
@@ -295,6 +286,7 @@ async def _watch_scheduler(proc: SchedulerProcs, tm: TokenizerManager, server: _
     while not server.should_exit:
         if not proc.is_alive():
             tm.mark_dead(f"a scheduler process exited with code {proc.exitcode}")
+            sweep_stale_segments()
         if tm.dead_reason is not None:
             control.scheduler_died = control.signum is None
             logger.error("scheduler is gone (%s); shutting down", tm.dead_reason)

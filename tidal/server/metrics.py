@@ -67,6 +67,8 @@ class Metrics:
         self.failed_bootstraps = Gauge("tidal:kv_failed_bootstraps", "KV transfer bootstraps that failed",
                                        labels, registry=r)
         self.failed_transfers = Gauge("tidal:kv_failed_transfers", "KV transfers that failed", labels, registry=r)
+        self.stats_age = Gauge("tidal:scheduler_stats_age_seconds", "Age of the scheduler gauges in this scrape",
+                               labels, registry=r)
         self._transfer_latency: tuple[dict, float] = ({}, 0.0)
         r.register(self)
         for m in (self.requests, self.aborted, self.prompt_tokens, self.generation_tokens, self.cached_tokens,
@@ -95,9 +97,11 @@ class Metrics:
         self.cached_tokens.labels(**lab).inc(cached)
         self.e2e.labels(**lab).observe(e2e)
 
-    def set_stats(self, stats: Optional[StatsResp]) -> None:
+    def set_stats(self, stats: Optional[StatsResp], age_s: float = 0.0) -> None:
+        """`age_s`: how long ago the scheduler took these stats."""
         if stats is None:
             return
+        self.stats_age.labels(**self._labels).set(age_s)
         for name, field in _GAUGES.items():
             self.gauges[name].labels(**self._labels).set(float(getattr(stats, field)))
         self._set_pd_stats(stats)

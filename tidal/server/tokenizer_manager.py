@@ -27,6 +27,7 @@ from tidal.messages import (
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
+    LoadSnapshot,
     ModeStatusReq,
     ModeStatusResp,
     PrepareModeReq,
@@ -195,6 +196,8 @@ class TokenizerManager:
         self.dead_reason: Optional[str] = None
         self.output_timeout = float(args.watchdog_timeout)
         self.last_output_at = 0.0
+        self.load: Optional[StatsResp] = None  # the scheduler's latest LoadSnapshot
+        self.load_at = 0.0
         self._states: dict[str, ReqState] = {}
         self._rpcs: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
@@ -277,6 +280,8 @@ class TokenizerManager:
             fut = self._rpcs.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
+        elif isinstance(msg, LoadSnapshot):
+            self.load, self.load_at = msg.stats, time.monotonic()
         elif isinstance(msg, SchedulerError):
             self.mark_dead(msg.message)
         elif isinstance(msg, SchedulerReady):
@@ -501,7 +506,15 @@ class TokenizerManager:
         return await self._call(FlushCacheReq, timeout)
 
     async def get_stats(self, timeout: float = RPC_TIMEOUT_S) -> StatsResp:
+        """Exact: answered after the scheduler's current iteration (seconds under load)."""
         return await self._call(StatsReq, timeout)
+
+    async def latest_stats(self, timeout: float = RPC_TIMEOUT_S) -> tuple[StatsResp, float]:
+        """(stats, age in seconds): the latest LoadSnapshot at once, or a StatsReq before the first."""
+        self._check_alive()
+        if self.load is None:
+            return await self.get_stats(timeout), 0.0
+        return self.load, time.monotonic() - self.load_at
 
     async def health_generate(self, timeout: float) -> bool:
         """Run a 1-token greedy generation; True when it finishes within `timeout`."""
