@@ -10,6 +10,7 @@ import json
 import sys
 
 import httpx
+import psutil
 import pytest
 
 from servers import Server, free_port
@@ -40,10 +41,15 @@ def test_pd_pair_with_keys():
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1",
            "--disaggregation-transfer-backend", "tcp", "--port", str(port), "--base-port", str(base),
            "--bootstrap-base-port", str(bport), "--policy", "round_robin", "--torch-threads", "1",
-           "--server-args", SERVER_ARGS, "--api-key", API, "--admin-api-key", ADMIN]
-    router = Server(cmd=cmd, port=port, env={"TIDAL_DISAGG_BOOTSTRAP_TIMEOUT": "8"})
+           "--server-args", SERVER_ARGS, "--admin-api-key", ADMIN]
+    # the API key from the environment, the admin key from a flag: both reach every member
+    router = Server(cmd=cmd, port=port, env={"TIDAL_DISAGG_BOOTSTRAP_TIMEOUT": "8", "TIDAL_API_KEY": API})
     prefill = f"http://127.0.0.1:{base}"
     try:
+        members = psutil.Process(router.proc.pid).children(recursive=True)
+        assert len(members) >= 3  # two servers (and their schedulers) and the router
+        for p in members:  # keys travel in the environment, not on world-readable command lines
+            assert not {API, ADMIN} & set(p.cmdline()), p.cmdline()
         body = {"text": "The capital of France is",
                 "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True}}
         assert httpx.post(router.url + "/generate", json=body, timeout=60).status_code == 401

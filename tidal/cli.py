@@ -33,10 +33,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "serve":
-        from tidal.config import server_args_from_namespace
-        from tidal.server.launch import launch_server
+        from tidal.launch_server import serve
 
-        return launch_server(server_args_from_namespace(args))
+        serve(args, build_parser())
     if args.command == "router":
         from tidal.router.cli import run_router
 

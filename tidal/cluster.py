@@ -20,6 +20,7 @@ from typing import Optional
 import httpx
 import psutil
 
+from tidal.config import KEY_ENV_VARS, keys_from_env
 from tidal.leftovers import sweep_stale_segments
 
 READY_TIMEOUT_S = 900.0
@@ -33,19 +34,21 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--prefill", type=int, default=1, help="number of prefill servers")
     a("--decode", type=int, default=1, help="number of decode servers")
     a("--worker", type=int, default=0, help="number of null-role (colocated) servers")
-    a("--model-path", default=None)
-    a("--host", default="127.0.0.1")
+    a("--model-path", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
+    a("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 keeps the server local")
     a("--port", type=int, default=8000, help="router port")
     a("--base-port", type=int, default=30000, help="first server port")
     a("--bootstrap-base-port", type=int, default=8998, help="first prefill bootstrap port")
     a("--disaggregation-transfer-backend", default="shm", help="fake | shm | tcp | mooncake | nixl")
-    a("--policy", default="cache_aware")
+    a("--policy", default="cache_aware", help="how a worker is picked for a request")
     a("--torch-threads", type=int, default=None, help="per server (default: cores / servers)")
     a("--server-args", default="", help="extra flags for every server, as one quoted string")
-    a("--api-key", default=None, help="API key of every server and of the router (default: none)")
+    a("--api-key", default=None,
+      help="API key of every server and of the router, passed to them in their environment "
+           "(default: $TIDAL_API_KEY, else none)")
     a("--admin-api-key", default=None,
       help="admin key of every server and of the router; the router uses it on the servers' admin routes "
-           "(default: none)")
+           "(default: $TIDAL_ADMIN_API_KEY, else none)")
 
 
 @dataclass
@@ -65,14 +68,17 @@ def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Op
         cmd += ["--model-path", ns.model_path]
     if bootstrap_port is not None:
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
-    return cmd + _key_flags(ns) + shlex.split(ns.server_args)
+    return cmd + shlex.split(ns.server_args)
 
 
-def _key_flags(ns: argparse.Namespace, router: bool = False) -> list[str]:
-    flags = [("--api-key", ns.api_key), ("--admin-api-key", ns.admin_api_key)]
+def _child_env(ns: argparse.Namespace, router: bool = False) -> dict[str, str]:
+    """The keys go to the children in their environment, never on a (world-readable) command line."""
+    keys = {"api_key": ns.api_key, "admin_api_key": ns.admin_api_key}
     if router:
-        flags.append(("--worker-admin-api-key", ns.admin_api_key))
-    return [x for flag, value in flags if value for x in (flag, value)]
+        keys["worker_admin_api_key"] = ns.admin_api_key
+    env = {k: v for k, v in os.environ.items() if k not in KEY_ENV_VARS.values()}
+    env.update({KEY_ENV_VARS[name]: value for name, value in keys.items() if value})
+    return env
 
 
 def plan_servers(ns: argparse.Namespace) -> list[tuple[str, str, int, Optional[int]]]:
@@ -100,7 +106,7 @@ def _router_cmd(ns: argparse.Namespace, plan: list) -> list[str]:
             cmd += ["--decode", url]
         else:
             cmd += ["--worker", url]
-    return cmd + _key_flags(ns, router=True)
+    return cmd
 
 
 def _wait_healthy(children: list[Child], deadline: float, stop: dict) -> None:
@@ -165,6 +171,7 @@ def stop_all(children: list[Child]) -> None:
 
 
 def run_cluster(ns: argparse.Namespace) -> int:
+    keys_from_env(ns)
     plan = plan_servers(ns)
     if not any(m == "null" for _, m, _, _ in plan) and (ns.prefill < 1 or ns.decode < 1):
         print("[cluster] needs at least one prefill and one decode server (or --worker)", file=sys.stderr)
@@ -180,10 +187,11 @@ def run_cluster(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         for name, mode, port, bport in plan:
-            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads, len(plan)))
+            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads, len(plan)), env=_child_env(ns))
             children.append(Child(name, proc, f"http://{ns.host}:{port}"))
         _wait_healthy(children, time.time() + READY_TIMEOUT_S, stop)
-        router = Child("router", subprocess.Popen(_router_cmd(ns, plan)), f"http://{ns.host}:{ns.port}")
+        router = Child("router", subprocess.Popen(_router_cmd(ns, plan), env=_child_env(ns, router=True)),
+                       f"http://{ns.host}:{ns.port}")
         children.append(router)
         _wait_healthy([router], time.time() + 60, stop)
         print(f"[cluster] router ready at {router.url} ({ns.prefill} prefill, {ns.decode} decode, "

@@ -18,24 +18,26 @@ def configure_logging(level: str) -> None:
     )
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="tidal.launch_server", description="Start a tidal server.",
-                                     formatter_class=DefaultsHelpFormatter)
-    add_server_args(parser)
-    ns = parser.parse_args(argv)
+def serve(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Run the server the parsed flags describe, then exit without the interpreter's teardown
+    (launch_server already stopped the schedulers and removed what it created)."""
     try:
         args = server_args_from_namespace(ns)
     except ValueError as e:
         parser.error(str(e))
     configure_logging(args.log_level)
-    from tidal.server.launch import (
-        launch_server,  # imports fastapi/uvicorn: after argument errors
-    )
+    from tidal.leftovers import exit_now
+    from tidal.server.launch import launch_server  # imports fastapi/uvicorn: after argument errors
 
-    return launch_server(args)
+    exit_now(launch_server(args))
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="tidal.launch_server", description="Start a tidal server.",
+                                     formatter_class=DefaultsHelpFormatter)
+    add_server_args(parser)
+    serve(parser.parse_args(argv), parser)
 
 
 if __name__ == "__main__":
-    from tidal.leftovers import exit_now
-
-    exit_now(main())  # launch_server stopped the schedulers and removed what it created
+    main()

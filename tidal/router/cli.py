@@ -7,8 +7,8 @@ import logging
 import sys
 from typing import Optional
 
-from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
 from tidal.config import keys_from_env
+from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
 from tidal.router.workers import (
@@ -34,7 +34,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--enforce-disaggregation", action="store_true",
                    help="never send whole requests to a single worker: 503 when no prefill/decode pair is healthy")
     p = parser.add_argument_group("policies")
-    p.add_argument("--policy", choices=POLICIES, default=d.policy)
+    p.add_argument("--policy", choices=POLICIES, default=d.policy, help="how a worker is picked for a request")
     p.add_argument("--prefill-policy", choices=POLICIES, default=None, help="default: --policy")
     p.add_argument("--decode-policy", choices=POLICIES, default=None, help="default: --policy")
     p.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
@@ -46,16 +46,16 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
                    help="cache_aware: prefix entries kept per pool (LRU)")
     s = parser.add_argument_group("server")
-    s.add_argument("--host", default=d.host)
-    s.add_argument("--port", type=int, default=d.port)
-    s.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_s)
-    s.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_s)
+    s.add_argument("--host", default=d.host, help="address to listen on; 127.0.0.1 keeps the server local")
+    s.add_argument("--port", type=int, default=d.port, help="HTTP port")
+    s.add_argument("--health-check-interval-secs", type=float, default=d.health_check_interval_s, help="seconds between worker health checks")
+    s.add_argument("--health-check-timeout-secs", type=float, default=d.health_check_timeout_s, help="timeout of one health check")
     s.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
                    help="consecutive failed checks or connection errors that make a worker unhealthy")
-    s.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_s)
-    s.add_argument("--max-retries", type=int, default=d.max_retries)
-    s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000)
-    s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000)
+    s.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_s, help="upstream read timeout per request")
+    s.add_argument("--max-retries", type=int, default=d.max_retries, help="retries on another worker (and a new room for PD) after a failure")
+    s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000, help="first retry delay; doubles per retry")
+    s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000, help="cap of the retry delay")
     s.add_argument("--api-key", default=None,
                    help="Bearer key clients must send on every route but /health, /health_generate, /metrics "
                         "and the admin ones; also sent to the workers (default: none; then the client's "
@@ -71,7 +71,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--http-read-timeout-secs", type=float, default=DEFAULT_READ_TIMEOUT_S,
                    help="close a connection whose whole request has not arrived this many seconds after it "
                         f"opened or after its previous response (slowloris); default {DEFAULT_READ_TIMEOUT_S:g}")
-    s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"))
+    s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"), help="logging level")
 
 
 def _prefill_entries(values: list[list[str]]) -> list[tuple[str, Optional[int]]]:
