@@ -441,3 +441,28 @@ def test_keys_come_from_the_environment_when_not_on_the_command_line(monkeypatch
     add_router_args(rp)
     cfg = router_config_from_namespace(rp.parse_args([]))
     assert (cfg.api_key, cfg.admin_api_key, cfg.worker_admin_api_key) == ("env-api", "env-admin", "env-worker")
+
+
+def test_internal_errors_do_not_echo_exception_text(caplog) -> None:
+    """A 500 names an error id and the exception type; the text (paths, internals) stays in the log."""
+    from starlette.testclient import TestClient
+
+    from tidal.config import ServerArgs
+    from tidal.router.app import create_router_app
+    from tidal.router.config import RouterConfig
+    from tidal.server.app import ServerContext, create_app
+
+    secret = "/home/ops/models/private.gguf token=abc123"
+    apps = [create_app(ServerContext(ServerArgs(model_path="/m.gguf"), tm=None, metrics=None)),
+            create_router_app(RouterConfig())]
+    for app in apps:
+        async def boom() -> None:
+            raise RuntimeError(secret)
+
+        app.add_api_route("/boom", boom, methods=["GET"])
+        with TestClient(app, raise_server_exceptions=False) as client:
+            r = client.get("/boom")
+        assert r.status_code == 500 and "RuntimeError" in r.text and secret not in r.text
+        error_id = r.json()["error"]["message"].split()[2]
+        assert any(error_id in rec.getMessage() and secret in rec.exc_text for rec in caplog.records
+                   if rec.exc_text), "the log keeps the details under the id"

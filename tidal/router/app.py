@@ -34,6 +34,7 @@ from tidal.config import hide_model_paths, mask_secrets
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
 from tidal.router.legs import json_error
+from tidal.server.protocol import internal_error_message
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
 from tidal.router.orchestrate import add_orchestration_routes
@@ -145,8 +146,7 @@ def create_router_app(cfg: RouterConfig, state: Optional[RouterState] = None) ->
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, e: Exception) -> Response:
-        logger.exception("internal error")
-        return json_error(f"internal error: {type(e).__name__}: {e}", 500)
+        return json_error(internal_error_message(e), 500)
 
     for route in GENERATE_ROUTES:
         app.add_api_route(route, _make_generate(route), methods=["POST"])

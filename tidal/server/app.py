@@ -32,6 +32,7 @@ from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.server.limits import BodySizeLimitMiddleware, check_n, check_prompt_count
 from tidal.server.metrics import CONTENT_TYPE, Metrics
 from tidal.server.protocol import (
+    internal_error_message,
     SSE_DONE,
     AbortRequest,
     ApiError,
@@ -85,8 +86,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def _internal(_req: Request, e: Exception) -> Response:
-        logger.exception("internal error")
-        return JSONResp(error_body(f"internal error: {type(e).__name__}: {e}", 500), status_code=500)
+        return JSONResp(error_body(internal_error_message(e), 500), status_code=500)
 
 
 def create_app(ctx: ServerContext) -> FastAPI:

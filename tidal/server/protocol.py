@@ -7,6 +7,8 @@ the wrong type are a 400, never a silent coercion.
 from __future__ import annotations
 
 import asyncio
+import logging
+import uuid
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import msgspec
@@ -15,6 +17,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from tidal.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 _ERROR_TYPES = {
     400: "BadRequestError",
@@ -37,6 +41,14 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return error_body(self.message, self.status_code)
+
+
+def internal_error_message(e: BaseException) -> str:
+    """Logs `e` with its traceback under a fresh id and returns a client message that names
+    only the id and the exception type: its text may hold paths or other server internals."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("internal error %s", error_id, exc_info=e)
+    return f"internal error {error_id} ({type(e).__name__}); the server log has the details"
 
 
 def error_body(message: str, status_code: int) -> dict:
