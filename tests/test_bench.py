@@ -58,6 +58,7 @@ def _make_app(state: dict[str, Any]) -> Any:
     async def generate(req: Request) -> Any:
         body = await req.json()
         state["bodies"].append(body)
+        state.setdefault("auth", []).append(req.headers.get("authorization"))
         if state.get("fail"):
             return JSONResponse({"error": "boom"}, status_code=500)
         n = body["sampling_params"]["max_new_tokens"]
@@ -167,6 +168,15 @@ def test_run_bench_backends(mock_server: Any, tmp_path: Any, backend: str) -> No
     if backend == "openai-chat":
         nonce_text = WordTokenizer().decode(saved["config"]["nonce"])
         assert body["messages"][0]["content"].startswith(nonce_text)
+
+
+def test_run_bench_sends_the_api_key_and_never_saves_it(mock_server: Any, tmp_path: Any) -> None:
+    url, state = mock_server
+    state["auth"] = []
+    res = run_bench(_ns(url, tmp_path, api_key="sk-bench-7"), tokenizer=WordTokenizer())
+    assert res["completed"] == 6 and state["auth"] == ["Bearer sk-bench-7"] * 7
+    saved = (tmp_path / "r.json").read_text()
+    assert "sk-bench-7" not in saved and json.loads(saved)["config"]["api_key"] == "<set>"
 
 
 def test_run_bench_text_usage_fallback_and_plot(mock_server: Any, tmp_path: Any) -> None:

@@ -20,8 +20,9 @@ from typing import Optional
 import httpx
 import psutil
 
-from tidal.config import KEY_ENV_VARS, keys_from_env
+from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
 from tidal.leftovers import sweep_stale_segments
+from tidal.router.policies import POLICIES
 
 READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
@@ -35,14 +36,16 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--decode", type=int, default=1, help="number of decode servers")
     a("--worker", type=int, default=0, help="number of null-role (colocated) servers")
     a("--model-path", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct GGUF)")
-    a("--host", default="127.0.0.1", help="address to listen on; 127.0.0.1 keeps the server local")
+    a("--host", default="127.0.0.1", help="address every server and the router listen on; 127.0.0.1 keeps them local")
     a("--port", type=int, default=8000, help="router port")
     a("--base-port", type=int, default=30000, help="first server port")
     a("--bootstrap-base-port", type=int, default=8998, help="first prefill bootstrap port")
-    a("--disaggregation-transfer-backend", default="shm", help="fake | shm | tcp | mooncake | nixl")
-    a("--policy", default="cache_aware", help="how a worker is picked for a request")
+    a("--disaggregation-transfer-backend", default="shm", choices=TRANSFER_BACKENDS, help="KV transfer backend of every server")
+    a("--policy", default="cache_aware", choices=POLICIES, help="the router's policy: how a worker is picked for a request")
     a("--torch-threads", type=int, default=None, help="per server (default: cores / servers)")
-    a("--server-args", default="", help="extra flags for every server, as one quoted string")
+    a("--server-args", default="",
+      help="extra flags for every server, as one quoted string (default: none; the cluster already passes each "
+           "server --torch-threads cores/servers and --mem-fraction-static 0.5/servers, which these override)")
     a("--api-key", default=None,
       help="API key of every server and of the router, passed to them in their environment "
            "(default: $TIDAL_API_KEY, else none)")

@@ -241,11 +241,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds without scheduler output before requests fail (and TP collectives time out)")
     a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,
       help="close a connection whose whole request (head and body) has not arrived this many seconds "
-           f"after it opened or after its previous response (slowloris); default {d.http_read_timeout_secs:g}")
-    a("--log-level", default=d.log_level, help="logging level")
+           f"after it opened or after its previous response (slowloris) (default: {d.http_read_timeout_secs:g})")
+    a("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"),
+      help="logging level")
     a("--api-key", default=None,
-      help="Bearer key every route but /health, /health_generate and /metrics requires "
-           "(default: $TIDAL_API_KEY, else none: open)")
+      help="Bearer key every route but /health, /health_generate and /metrics requires; when "
+           "--admin-api-key is set, the admin routes take that key instead (default: $TIDAL_API_KEY, else none: open)")
     a("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
       help=f"largest HTTP request body; a larger one is a 413 before it is parsed (default: {d.max_request_body_bytes}, 8 MiB)")
     a("--max-n", type=int, default=d.max_n, help=f"largest n (completions per prompt) in one request (default: {d.max_n})")

@@ -21,6 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from tidal.cli_help import DefaultsHelpFormatter
+from tidal.config import keys_from_env, mask_secrets
 from tidal.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -265,7 +266,8 @@ async def bench_async(ns: argparse.Namespace, t: Target, warm: Sequence[BenchReq
                       reqs: Sequence[BenchRequest]) -> tuple[list[RequestRecord], float]:
     timeout = aiohttp.ClientTimeout(total=ns.timeout)
     conn = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(timeout=timeout, connector=conn,
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else None
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn, headers=headers,
                                      trust_env=False) as session:
         if t.backend not in GENERATE_BACKENDS and not ns.model:
             t.model = await _fetch_model_name(session, t.base_url)
@@ -282,6 +284,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--backend", choices=BACKENDS, default="tidal",
       help="request format: tidal/sglang use /generate, openai /v1/completions, openai-chat /v1/chat/completions")
     a("--url", default="http://127.0.0.1:30000", help="server base URL")
+    a("--api-key", default=None, help="Bearer key sent with every request (default: $TIDAL_API_KEY, else none)")
     a("--model", default=None, help="model name for openai backends (default: /v1/models)")
     a("--dataset", choices=DATASETS, default="random",
       help="random prompts of fixed lengths, or a replay of the shipped Azure LLM trace 2023")
@@ -328,7 +331,7 @@ def _make_target(ns: argparse.Namespace) -> Target:
 
 
 def _config(ns: argparse.Namespace, t: Target, nonce: list[int]) -> dict[str, Any]:
-    cfg = {k: v for k, v in vars(ns).items() if not callable(v) and not k.startswith("_")}
+    cfg = mask_secrets({k: v for k, v in vars(ns).items() if not callable(v) and not k.startswith("_")})
     if math.isinf(cfg.get("request_rate", 0.0)):
         cfg["request_rate"] = "inf"
     cfg.update(model=t.model, send_input_ids=t.send_ids, nonce=nonce)
@@ -337,6 +340,7 @@ def _config(ns: argparse.Namespace, t: Target, nonce: list[int]) -> dict[str, An
 
 def run_bench(ns: argparse.Namespace, tokenizer: Any = None) -> dict[str, Any]:
     """Run the benchmark described by ``ns`` (from ``add_bench_args``); the results dict."""
+    keys_from_env(ns)
     slos = parse_goodput(ns.goodput)
     tok = tokenizer if tokenizer is not None else get_tokenizer(ns.tokenizer)
     t = _make_target(ns)

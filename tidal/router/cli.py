@@ -30,7 +30,8 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="a decode worker; repeat for more")
     w.add_argument("--worker", "--worker-urls", dest="worker", action="extend", nargs="+", default=[],
                    metavar="URL", help="a null-role worker that takes whole requests; repeat for more")
-    w.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang compatibility (implied)")
+    w.add_argument("--pd-disaggregation", action="store_true", help="accepted for SGLang compatibility and ignored: PD routing is always on when prefill and "
+                        "decode workers are given (default: off)")
     w.add_argument("--enforce-disaggregation", action="store_true",
                    help="never send whole requests to a single worker: 503 when no prefill/decode pair is healthy")
     p = parser.add_argument_group("policies")
@@ -70,7 +71,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--switch-timeout-secs", type=float, default=60.0, help="drain + switch budget per role move")
     s.add_argument("--http-read-timeout-secs", type=float, default=DEFAULT_READ_TIMEOUT_S,
                    help="close a connection whose whole request has not arrived this many seconds after it "
-                        f"opened or after its previous response (slowloris); default {DEFAULT_READ_TIMEOUT_S:g}")
+                        f"opened or after its previous response (slowloris) (default: {DEFAULT_READ_TIMEOUT_S:g})")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"), help="logging level")
 
 
