@@ -14,7 +14,7 @@ import time
 import psutil
 import pytest
 
-from servers import Server, free_port
+from servers import Server, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -23,7 +23,7 @@ SCHEDULER_STOP_S = 1.0  # was 1.5-3.8 s: the interpreter's teardown after the lo
 
 
 def start_cluster() -> Server:
-    port, base, bport = free_port(), free_port(), free_port()
+    port, base, bport = free_port(), free_port_block(4), free_port()
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1",
            "--disaggregation-transfer-backend", "shm", "--port", str(port), "--base-port", str(base),
            "--bootstrap-base-port", str(bport), "--torch-threads", "1",

@@ -11,7 +11,7 @@ import sys
 import httpx
 import pytest
 
-from servers import Server, free_port
+from servers import Server, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -25,7 +25,7 @@ SERVER_ARGS = "--max-total-tokens 8192 --dtype float32 --chunked-prefill-size 16
 
 
 def start_cluster(backend: str, page_size: int, env: dict | None = None) -> tuple[Server, int, int]:
-    port, base, bport = free_port(), free_port(), free_port()
+    port, base, bport = free_port(), free_port_block(4), free_port()
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1",
            "--disaggregation-transfer-backend", backend, "--port", str(port), "--base-port", str(base),
            "--bootstrap-base-port", str(bport), "--policy", "round_robin", "--torch-threads", "1",

@@ -13,7 +13,7 @@ import httpx
 import psutil
 import pytest
 
-from servers import Server, free_port
+from servers import Server, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -37,7 +37,7 @@ def put_route(port: int, headers: dict) -> int:
 
 
 def test_pd_pair_with_keys():
-    port, base, bport = free_port(), free_port(), free_port()
+    port, base, bport = free_port(), free_port_block(4), free_port()
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1",
            "--disaggregation-transfer-backend", "tcp", "--port", str(port), "--base-port", str(base),
            "--bootstrap-base-port", str(bport), "--policy", "round_robin", "--torch-threads", "1",

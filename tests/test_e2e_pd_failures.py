@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, free_port
+from servers import Server, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,7 +36,7 @@ def assert_idle_and_intact(url: str) -> None:
 
 
 def test_injected_failures_under_load_every_request_ends():
-    port, base, bport = free_port(), free_port(), free_port()
+    port, base, bport = free_port(), free_port_block(4), free_port()
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--port", str(port),
            "--base-port", str(base), "--bootstrap-base-port", str(bport), "--policy", "round_robin",
            "--disaggregation-transfer-backend", "tcp", "--torch-threads", "1",
