@@ -71,6 +71,11 @@ KEY_ENV_VARS = {
 }
 
 
+def bearer_headers(key: Optional[str]) -> dict:
+    """`Authorization: Bearer KEY` for a client request, or no header without a key."""
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
 def keys_from_env(ns: argparse.Namespace) -> None:
     """Fills each key flag left unset on the command line from its TIDAL_* variable."""
     for field, var in KEY_ENV_VARS.items():

@@ -21,7 +21,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from tidal.cli_help import DefaultsHelpFormatter
-from tidal.config import keys_from_env, mask_secrets
+from tidal.config import bearer_headers, keys_from_env, mask_secrets
 from tidal.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -266,7 +266,7 @@ async def bench_async(ns: argparse.Namespace, t: Target, warm: Sequence[BenchReq
                       reqs: Sequence[BenchRequest]) -> tuple[list[RequestRecord], float]:
     timeout = aiohttp.ClientTimeout(total=ns.timeout)
     conn = aiohttp.TCPConnector(limit=0)
-    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else None
+    headers = bearer_headers(ns.api_key)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn, headers=headers,
                                      trust_env=False) as session:
         if t.backend not in GENERATE_BACKENDS and not ns.model:

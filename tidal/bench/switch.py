@@ -29,6 +29,8 @@ from typing import Optional
 
 import httpx
 
+from tidal.config import bearer_headers
+
 CYCLE = ["prefill", "decode", "null", "decode", "prefill", "null"]
 
 
@@ -38,7 +40,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def switch(url: str, mode: str, key: Optional[str] = None, **kw) -> dict:
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    headers = bearer_headers(key)
     t0 = time.perf_counter()
     r = httpx.post(url + "/admin/switch_disaggregation_mode", json={"mode": mode, **kw}, headers=headers, timeout=600)
     body = r.json()

@@ -30,15 +30,15 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 import tidal
-from tidal.config import hide_model_paths, mask_secrets
+from tidal.config import bearer_headers, hide_model_paths, mask_secrets
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
 from tidal.router.legs import json_error
-from tidal.server.protocol import internal_error_message
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
 from tidal.router.orchestrate import add_orchestration_routes
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
+from tidal.server.protocol import internal_error_message
 from tidal.router.workers import (
     DECODE,
     DEFAULT_BOOTSTRAP_PORT,
@@ -75,13 +75,12 @@ class RouterState:
 
     def worker_headers(self) -> dict:
         """For workers' API routes (info, load, health)."""
-        return {"authorization": f"Bearer {self.cfg.api_key}"} if self.cfg.api_key else {}
+        return bearer_headers(self.cfg.api_key)
 
     def worker_admin_headers(self) -> dict:
         """For workers' admin routes: the worker admin key, else the API key (a worker's admin
         routes take its API key when it has no admin key)."""
-        key = self.cfg.worker_admin_api_key or self.cfg.api_key
-        return {"authorization": f"Bearer {key}"} if key else {}
+        return bearer_headers(self.cfg.worker_admin_api_key or self.cfg.api_key)
 
 
 def router_guard(cfg: RouterConfig) -> Guard:

@@ -71,10 +71,6 @@ PEER_TTL_S = 30.0  # a few heartbeat intervals (TIDAL's default interval is 5 s)
 MAX_DECODE_PEERS = 1024
 
 
-def bearer_headers(key: Optional[str]) -> dict:
-    return {"Authorization": f"Bearer {key}"} if key else {}
-
-
 def _has_key(request: web.Request, key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())

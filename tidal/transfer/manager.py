@@ -25,7 +25,7 @@ from tidal.transfer.base import (
     TransferStats,
     Transport,
 )
-from tidal.transfer.bootstrap import bearer_headers
+from tidal.config import bearer_headers
 from tidal.transfer.common import ControlPlane, advertised_host, http_json
 from tidal.transfer.decode import DecodeReceiver, DecodeSide
 from tidal.transfer.fake import FakeReceiver, FakeSender
