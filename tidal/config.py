@@ -12,6 +12,7 @@ from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("auto", "none", "gguf")
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 
@@ -106,6 +107,8 @@ class ServerArgs:
     port: int = 30000
     tp_size: int = 1
     dtype: str = "auto"
+    quantization: str = "auto"
+    quantized_max_tokens: int = 16
     device: str = "auto"
     context_length: Optional[int] = None
     # memory
@@ -162,6 +165,10 @@ class ServerArgs:
             raise ValueError(f"--schedule-policy must be one of {SCHEDULE_POLICIES}")
         if self.dtype not in DTYPES:
             raise ValueError(f"--dtype must be one of {DTYPES}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"--quantization must be one of {QUANTIZATIONS}")
+        if self.quantized_max_tokens < 0:
+            raise ValueError("--quantized-max-tokens must be >= 0")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
@@ -211,7 +218,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--host", default=d.host, help="address to listen on; 127.0.0.1 keeps the server local")
     a("--port", type=int, default=d.port, help="HTTP port")
     a("--tp", "--tp-size", dest="tp_size", type=int, default=d.tp_size, help="tensor-parallel ranks (one scheduler process each, on this host)")
-    a("--dtype", choices=DTYPES, default=d.dtype, help="weights and activations dtype; auto picks bfloat16 where the CPU/GPU has it, else float32")
+    a("--dtype", choices=DTYPES, default=d.dtype, help="weights and activations dtype; auto picks bfloat16 where the CPU/GPU has it, else float32. "
+      "An explicit float32 also keeps a GGUF's weights dequantized (the exact path, see --quantization)")
+    a("--quantization", choices=QUANTIZATIONS, default=d.quantization,
+      help="gguf: run a GGUF's Q4_0/Q4_1 weights natively as int4 matmuls (bfloat16 activations at those "
+      "matmuls; CPU, --tp 1); none: dequantize every weight to --dtype; auto: gguf for a GGUF on the CPU "
+      "unless --dtype float32 is given")
+    a("--quantized-max-tokens", type=int, default=d.quantized_max_tokens,
+      help="with --quantization gguf: forward passes of at most this many tokens use the int4 kernels, "
+      "larger ones (prefill, big decode batches) a dense copy of the same weights in --dtype; "
+      "0 keeps no dense copy and runs every pass in int4 (less memory, slower prefill)")
     a("--device", default=d.device, help="auto | cpu | cuda")
     a("--context-length", type=int, default=None, help="maximum context in tokens (default: the model's)")
     a("--page-size", type=int, default=d.page_size, help="KV cache page size in tokens")

@@ -116,6 +116,7 @@ class SchedulerReady(_Msg):
     page_size: int
     device: str
     dtype: str
+    quantization: str = "none"  # "gguf": the file's int4 weights run natively (tidal/model/quant.py)
 
 
 class FlushCacheResp(_Msg):

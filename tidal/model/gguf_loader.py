@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import numpy as np
 import torch
 
 from tidal.model.config import ModelConfig, config_from_gguf
+from tidal.model.quant import NATIVE_GGUF_TYPES, Int4Weight, int4_from_gguf
 
 # large tokenizer arrays that the model does not need (slow to decode field by field)
 _SKIP_FIELDS = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
@@ -75,31 +76,60 @@ def unpermute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 def _dequantize(t: Any) -> torch.Tensor:
     from gguf.quants import dequantize
 
-    arr = dequantize(t.data, t.tensor_type)
+    # a plain ndarray view of the mmap: numpy memmap views cost ~15 us each in gguf's row loop
+    arr = dequantize(np.asarray(t.data), t.tensor_type)
     if not arr.flags.writeable:  # F32 tensors come back as views of the read-only mmap
         arr = arr.copy()
     shape = tuple(int(d) for d in reversed(t.shape))  # GGUF lists dims innermost first
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32).reshape(shape))
 
 
-def _iter_weights(reader: Any, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    permuted = config.arch in _PERMUTED_ARCHS
+def _unpermute_for(hf: str, config: ModelConfig) -> Optional[int]:
+    """The head count to undo llama.cpp's q/k row permutation with, or None if `hf` is not permuted."""
+    if config.arch not in _PERMUTED_ARCHS:
+        return None
+    if ".q_proj." in hf:
+        return config.num_heads
+    if ".k_proj." in hf:
+        return config.num_kv_heads
+    return None
+
+
+def _native_int4(t: Any, hf: str, n_head: Optional[int]) -> Optional[Int4Weight]:
+    """The tensor's exact int4 form (rows in HF order) if it is a 2-D Q4_0/Q4_1 weight, else None."""
+    if t.tensor_type.name not in NATIVE_GGUF_TYPES or not hf.endswith(".weight") or len(t.shape) != 2:
+        return None
+    shape = tuple(int(d) for d in reversed(t.shape))
+    w = int4_from_gguf(np.asarray(t.data), t.tensor_type.name, shape)
+    if n_head is None:
+        return w
+    return Int4Weight(*(unpermute_qk(x, n_head) for x in (w.codes, w.scale, w.zero)))
+
+
+def _iter_weights(reader: Any, config: ModelConfig,
+                  int4_out: Optional[dict[str, Int4Weight]]) -> Iterator[tuple[str, torch.Tensor]]:
     for t in reader.tensors:
         if t.name == "rope_freqs.weight":
             continue  # folded into config.rope_freq_factors
         hf = gguf_to_hf_name(t.name)
         if hf is None:
             raise ValueError(f"unexpected tensor {t.name!r} in GGUF file")
+        n_head = _unpermute_for(hf, config)
+        if int4_out is not None:
+            q = _native_int4(t, hf, n_head)
+            if q is not None:
+                int4_out[hf] = q
         w = _dequantize(t)
-        if permuted and ".q_proj." in hf:
-            w = unpermute_qk(w, config.num_heads)
-        elif permuted and ".k_proj." in hf:
-            w = unpermute_qk(w, config.num_kv_heads)
-        yield hf, w
+        yield hf, (w if n_head is None else unpermute_qk(w, n_head))
 
 
-def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
-    """Returns the config and a lazy iterator of (HF parameter name, float32 tensor)."""
+def load_gguf(path: str, int4_out: Optional[dict[str, Int4Weight]] = None
+              ) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Returns the config and a lazy iterator of (HF parameter name, float32 tensor).
+
+    With `int4_out`, iterating also stores there, by HF name, the exact int4 form of every
+    Q4_0/Q4_1 weight (see tidal/model/quant.py).
+    """
     from gguf import GGUFReader
 
     reader = GGUFReader(path)
@@ -111,7 +141,7 @@ def load_gguf(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]
         config.vocab_size = int(emb.shape[1])  # GGUF shape [hidden, vocab]
     if "rope_freqs.weight" in tensors:
         config.rope_freq_factors = _dequantize(tensors["rope_freqs.weight"]).flatten().tolist()
-    return config, _iter_weights(reader, config)
+    return config, _iter_weights(reader, config, int4_out)
 
 
 def read_gguf_chat_template(path: str) -> str | None:

@@ -107,10 +107,9 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos() * scale
         self.sin = freqs.sin() * scale
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].to(q.dtype)[:, None, :]  # [T, 1, D/2]
-        sin = self.sin[positions].to(q.dtype)[:, None, :]
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, 1, D/2] of the pass's positions, looked up once and shared by every layer."""
+        return self.cos[positions].to(dtype)[:, None, :], self.sin[positions].to(dtype)[:, None, :]
 
 
 def row_parallel(layer: nn.Linear, x: torch.Tensor, tp) -> torch.Tensor:
@@ -121,14 +120,14 @@ def row_parallel(layer: nn.Linear, x: torch.Tensor, tp) -> torch.Tensor:
     return y if layer.bias is None else y + layer.bias
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, heads, D] rotated by cos/sin [T, 1, D/2] (HF half rotation), as a new contiguous tensor."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 backend: TorchNativeAttnBackend, shard: ModelShard, tp):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttnBackend, shard: ModelShard, tp):
         super().__init__()
         self.layer_id = layer_id
         self.n_heads, self.n_kv, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
@@ -138,18 +137,20 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps) if config.qk_norm else None
-        self.rotary = [rotary]  # shared; a list so it is not registered once per layer
         self.backend = [backend]
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        n_tok = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(n_tok, self.n_heads, self.head_dim)  # [T, H*D] -> [T, H, D]
-        k = k.view(n_tok, self.n_kv, self.head_dim)  # [T, Hkv*D] -> [T, Hkv, D]
-        v = v.view(n_tok, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](positions, q, k)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        n_tok, n_qk = x.shape[0], self.n_heads + self.n_kv
+        qkv = self.qkv_proj(x)  # [T, (H + 2 Hkv) * D]
+        v = qkv[:, self.q_size + self.kv_size:].view(n_tok, self.n_kv, self.head_dim)
+        if self.q_norm is None:
+            # q and k are adjacent columns: one rotation for both heads' groups [T, H + Hkv, D]
+            qk = apply_rope(qkv[:, :self.q_size + self.kv_size].view(n_tok, n_qk, self.head_dim), *rope)
+            q, k = qk[:, :self.n_heads], qk[:, self.n_heads:]
+        else:
+            q = self.q_norm(qkv[:, :self.q_size].view(n_tok, self.n_heads, self.head_dim))
+            k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(n_tok, self.n_kv, self.head_dim))
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         out = self.backend[0].forward(q, k, v, self.layer_id, fb)  # [T, H*D]
         return row_parallel(self.o_proj, out, self.tp[0])
 
@@ -168,16 +169,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_id: int, rotary: RotaryEmbedding,
-                 backend: TorchNativeAttnBackend, shard: ModelShard, tp):
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttnBackend, shard: ModelShard, tp):
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, rotary, backend, shard, tp)
+        self.self_attn = LlamaAttention(config, layer_id, backend, shard, tp)
         self.mlp = LlamaMLP(config, shard, tp)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), fb)
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.self_attn(rope, self.input_layernorm(h), fb)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -189,7 +189,7 @@ class LlamaModel(nn.Module):
         self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, self.rotary, backend, shard, tp) for i in range(config.num_layers))
+            LlamaDecoderLayer(config, i, backend, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -202,8 +202,9 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed(fb.input_ids)
+        rope = self.rotary.cos_sin(fb.positions, h.dtype)
         for layer in self.layers:
-            h = layer(fb.positions, h, fb)
+            h = layer(rope, h, fb)
         return self.norm(h)
 
 
@@ -266,6 +267,22 @@ class LlamaForCausalLM(nn.Module):
             if f".mlp.{part}." in name:
                 return name.replace(part, "gate_up_proj"), offset
         return name, None
+
+    def fuse_int4(self, parts: dict) -> dict:
+        """HF-named Int4Weights -> our fused parameter names; a fused layer needs all its parts in int4."""
+        from tidal.model.quant import Int4Weight
+
+        grouped: dict[str, list[tuple[int, Int4Weight]]] = {}
+        for name, w in parts.items():
+            target, offset = self._fused_target(name)
+            grouped.setdefault(target, []).append((offset or 0, w))
+        fused = {}
+        params = dict(self.named_parameters())
+        for target, items in grouped.items():
+            rows = sum(w.codes.shape[0] for _, w in items)
+            if target in params and rows == params[target].shape[0]:
+                fused[target] = Int4Weight.cat([w for _, w in sorted(items, key=lambda i: i[0])])
+        return fused
 
     def _local_sizes(self) -> tuple[int, int, int]:
         """This rank's q rows, k (= v) rows and intermediate size."""

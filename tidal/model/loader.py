@@ -28,12 +28,13 @@ def resolve_model_path(path: str) -> tuple[str, str]:
     raise ValueError(f"{path}: no config.json, and {len(ggufs)} .gguf files (need exactly one)")
 
 
-def read_model(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+def read_model(path: str, int4_out: Optional[dict] = None) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor]]]:
+    """Config and (HF name, float tensor) pairs; with int4_out, a GGUF's int4 weights are also stored there."""
     kind, resolved = resolve_model_path(path)
     if kind == "gguf":
         from tidal.model.gguf_loader import load_gguf
 
-        return load_gguf(resolved)
+        return load_gguf(resolved, int4_out)
     from tidal.model.hf_loader import load_hf_dir
 
     return load_hf_dir(resolved)
@@ -41,13 +42,16 @@ def read_model(path: str) -> tuple[ModelConfig, Iterator[tuple[str, torch.Tensor
 
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                attn_backend: Optional[TorchNativeAttnBackend] = None,
-               context_length: Optional[int] = None, tp=None) -> tuple[LlamaForCausalLM, ModelConfig]:
+               context_length: Optional[int] = None, tp=None, quantization: str = "none",
+               max_quant_tokens: int = 16) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds the model without random init (on meta), then fills it from the checkpoint.
 
     context_length, if given, overrides the config's (it sizes the RoPE cache). With a TP
-    communicator `tp`, the model holds this rank's shard of the weights.
+    communicator `tp`, the model holds this rank's shard of the weights. quantization "gguf"
+    serves the file's Q4_0/Q4_1 weights as int4 (tidal/model/quant.py).
     """
-    config, weights = read_model(path)
+    int4: Optional[dict] = {} if quantization == "gguf" else None
+    config, weights = read_model(path, int4)
     if context_length:
         config.context_length = int(context_length)
     with torch.device("meta"):
@@ -56,4 +60,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     model.tie_weights()  # to_empty may have untied them
     model.model.rotary.build(torch.device(device))  # float32 cache, recomputed for real
     model.load_weights(weights)
+    if int4 is not None:
+        from tidal.model.quant import quantize_model
+
+        quantize_model(model, model.fuse_int4(int4), max_quant_tokens)
     return model.eval(), config

@@ -11,7 +11,8 @@ from tidal.config import ServerArgs
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attention import TorchNativeAttnBackend
 from tidal.model.forward_batch import ForwardBatch
-from tidal.model.loader import load_model
+from tidal.model.loader import load_model, resolve_model_path
+from tidal.model.quant import resolve_quantization
 from tidal.leftovers import owned_segment_name
 
 logger = logging.getLogger(__name__)
@@ -74,8 +75,11 @@ class ModelRunner:
         self.page_size = args.page_size
         torch.set_num_threads(args.torch_threads or max(1, _usable_cpus() // self.tp.size))
         self.attn_backend = TorchNativeAttnBackend()
+        self.quantization = resolve_quantization(args.quantization, resolve_model_path(args.model_path)[0],
+                                                 args.dtype, self.device, self.tp.size)
         self.model, self.model_config = load_model(
-            args.model_path, self.dtype, self.device, self.attn_backend, args.context_length, tp=self.tp)
+            args.model_path, self.dtype, self.device, self.attn_backend, args.context_length, tp=self.tp,
+            quantization=self.quantization, max_quant_tokens=args.quantized_max_tokens)
         # every rank must hold the same number of KV slots: the schedulers make the same decisions
         self.max_total_tokens = int(self.tp.all_gather_ints([self._pool_size()]).min())
         cfg = self.model_config
@@ -87,8 +91,8 @@ class ModelRunner:
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
             shm_name=owned_segment_name("kv") if shm else None)  # swept if this rank dies unclean
-        logger.info("model %s: %s on %s, KV pool %d tokens%s", args.model_path, self.dtype, self.device,
-                    self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
+        logger.info("model %s: %s on %s, quantization %s, KV pool %d tokens%s", args.model_path, self.dtype,
+                    self.device, self.quantization, self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 
     def _pool_size(self) -> int:
         cfg = self.model_config

@@ -158,6 +158,7 @@ def ready_message(sched) -> SchedulerReady:
         page_size=sched.mem.page_size,
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
+        quantization=runner.quantization,
     )
 
 

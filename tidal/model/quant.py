@@ -1,0 +1,178 @@
+"""Serving a GGUF's quantized tensors natively: weight-only int4 matmuls instead of dequantized floats.
+
+A decode step of a small model on a CPU reads every weight once per token, so it is bound
+by memory bandwidth: 4-bit weights are ~7x fewer bytes than float32. torch's CPU kernel
+`_weight_int4pack_mm_for_cpu` computes x @ W^T with W stored as packed 4-bit codes and a
+(scale, zero) pair per group of 32 input columns: w = (q - 8) * scale + zero. GGUF's
+blocks are groups of 32 too, so they map onto it without requantizing:
+
+    Q4_0: w = (q - 8) * d        -> scale d, zero 0
+    Q4_1: w = q * d + m          -> scale d, zero m + 8 d
+
+The kernel is vectorized for bfloat16 activations only (float32/float16 run a scalar loop
+~15x slower, measured on AVX2), so activations are rounded to bfloat16 at the matmul and
+its output comes back as bfloat16 (rounded); scales and zeros are bfloat16 too. That is the
+whole numerical difference from the float32 path (llama.cpp itself rounds activations to
+8-bit integers for these dot products). The quality bound is in tests/test_quantization.py.
+
+Each quantized layer also keeps a dense copy of the same (dequantized) weights in the
+model dtype, used for passes with more than `max_quant_tokens` tokens: the int4 kernel
+does one pass over the weights per activation row, so prefill and large decode batches are
+compute-bound and faster on a dense BLAS matmul. With max_quant_tokens = 0 no dense copy is
+kept (less memory; every pass runs the int4 kernel).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+from tidal.config import QUANTIZATIONS
+GGUF_GROUP = 32
+# GGUF tensor types served natively (others are dequantized to the model dtype)
+NATIVE_GGUF_TYPES = ("Q4_0", "Q4_1")
+
+
+@dataclass
+class Int4Weight:
+    """Group-wise 4-bit weight [rows, cols]: w = (codes - 8) * scale + zero per group of 32 columns."""
+
+    codes: torch.Tensor  # uint8 [rows, cols], values 0..15
+    scale: torch.Tensor  # float32 [rows, cols // 32]
+    zero: torch.Tensor  # float32 [rows, cols // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        rows, cols = self.codes.shape
+        q = self.codes.view(rows, cols // GGUF_GROUP, GGUF_GROUP).float()
+        w = (q - 8) * self.scale[..., None] + self.zero[..., None]
+        return w.view(rows, cols)
+
+    def rows(self, index) -> "Int4Weight":
+        return Int4Weight(self.codes[index], self.scale[index], self.zero[index])
+
+    @staticmethod
+    def cat(parts: list["Int4Weight"]) -> "Int4Weight":
+        return Int4Weight(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]),
+                          torch.cat([p.zero for p in parts]))
+
+
+def int4_from_gguf(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Weight:
+    """GGUF Q4_0/Q4_1 block bytes [rows, blocks * block_bytes] -> Int4Weight [rows, cols] (exact)."""
+    rows, cols = shape
+    nb = cols // GGUF_GROUP
+    blocks = np.ascontiguousarray(raw).reshape(rows, nb, -1)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if type_name == "Q4_0":
+        qs, zero = blocks[..., 2:18], np.zeros_like(d)
+    elif type_name == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs, zero = blocks[..., 4:20], m + 8 * d
+    else:
+        raise ValueError(f"GGUF type {type_name} has no native int4 kernel")
+    # byte j of a block holds element j (low nibble) and element j + 16 (high nibble)
+    codes = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(rows, cols)
+    return Int4Weight(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero))
+
+
+def int4_kernel_available() -> bool:
+    return hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu")
+
+
+class Int4Linear(nn.Module):
+    """y = x @ W^T (+ bias) with W as packed int4 groups; a dense copy serves passes over max_quant_tokens."""
+
+    def __init__(self, weight: Int4Weight, bias: Optional[torch.Tensor], dense: Optional[torch.Tensor],
+                 max_quant_tokens: int):
+        super().__init__()
+        rows, cols = weight.codes.shape
+        self.in_features, self.out_features = cols, rows
+        self.max_quant_tokens = max_quant_tokens if dense is not None else None
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            weight.codes.to(torch.int32).contiguous(), 1))
+        # [cols / 32, rows, 2]: the kernel's layout of (scale, zero) per group and output row
+        sz = torch.stack([weight.scale.t(), weight.zero.t()], dim=-1)
+        self.register_buffer("scale_zero", sz.to(torch.bfloat16).contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.max_quant_tokens is not None and x.shape[0] > self.max_quant_tokens:
+            return F.linear(x, self.dense, self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.to(torch.bfloat16), self.packed, GGUF_GROUP, self.scale_zero).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, dense above {self.max_quant_tokens} tokens"
+
+
+class Bf16Linear(nn.Module):
+    """A bfloat16 copy of a float weight for small passes (half the bytes to read); the float one above."""
+
+    def __init__(self, weight: torch.Tensor, max_quant_tokens: int):
+        super().__init__()
+        self.weight_bf16 = nn.Parameter(weight.detach().to(torch.bfloat16), requires_grad=False)
+        self.dense = [weight] if max_quant_tokens else None  # not registered: usually the tied embedding
+        self.max_quant_tokens = max_quant_tokens
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.dense is not None and x.shape[0] > self.max_quant_tokens:
+            return F.linear(x, self.dense[0])
+        return F.linear(x.to(torch.bfloat16), self.weight_bf16).to(x.dtype)
+
+
+def resolve_quantization(name: str, model_kind: str, dtype_arg: str, device: torch.device,
+                         tp_size: int) -> str:
+    """'gguf' (serve the file's Q4_0/Q4_1 tensors as int4) or 'none' (dequantize to the model dtype).
+
+    auto: gguf for a GGUF model on the CPU unless --dtype float32 was asked for (the exact path).
+    """
+    if name not in QUANTIZATIONS:
+        raise ValueError(f"--quantization must be one of {QUANTIZATIONS}, got {name!r}")
+    if name == "none":
+        return "none"
+    usable = model_kind == "gguf" and device.type == "cpu" and tp_size == 1 and int4_kernel_available()
+    if name == "auto":
+        return "gguf" if usable and dtype_arg != "float32" else "none"
+    if not usable:
+        why = ("the model is not a GGUF file" if model_kind != "gguf" else
+               "it runs on the CPU only" if device.type != "cpu" else
+               "not with --tp > 1 yet" if tp_size != 1 else "this torch has no int4 CPU kernel")
+        raise ValueError(f"--quantization gguf: {why}")
+    return "gguf"
+
+
+def quantize_model(model: nn.Module, int4: dict[str, Int4Weight], max_quant_tokens: int) -> dict[str, int]:
+    """Swaps the model's linear layers whose checkpoint tensors were int4 for Int4Linear, the LM head for bf16.
+
+    int4: our parameter name (e.g. model.layers.0.self_attn.qkv_proj.weight) -> its fused Int4Weight.
+    Returns counts of what was converted, for the start-up log.
+    """
+    counts = {"int4": 0, "dense": 0}
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, nn.Linear):
+            continue
+        key = f"{name}.weight"
+        if key in int4:
+            dense = module.weight.data if max_quant_tokens else None
+            bias = None if module.bias is None else module.bias.data
+            _replace(model, name, Int4Linear(int4[key], bias, dense, max_quant_tokens))
+            counts["int4"] += 1
+        elif name == "lm_head":
+            _replace(model, name, Bf16Linear(module.weight.data, max_quant_tokens))
+            counts["dense"] += 1
+    return counts
+
+
+def _replace(model: nn.Module, dotted: str, new: nn.Module) -> None:
+    parent_name, _, child = dotted.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
