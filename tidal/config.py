@@ -12,7 +12,7 @@ from typing import Optional
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-QUANTIZATIONS = ("auto", "none", "gguf")
+QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 
@@ -108,7 +108,7 @@ class ServerArgs:
     tp_size: int = 1
     dtype: str = "auto"
     quantization: str = "auto"
-    quantized_max_tokens: int = 16
+    quantized_max_tokens: int = 8
     device: str = "auto"
     context_length: Optional[int] = None
     # memory
@@ -221,11 +221,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--dtype", choices=DTYPES, default=d.dtype, help="weights and activations dtype; auto picks bfloat16 where the CPU/GPU has it, else float32. "
       "An explicit float32 also keeps a GGUF's weights dequantized (the exact path, see --quantization)")
     a("--quantization", choices=QUANTIZATIONS, default=d.quantization,
-      help="gguf: run a GGUF's Q4_0/Q4_1 weights natively as int4 matmuls (bfloat16 activations at those "
-      "matmuls; CPU, --tp 1); none: dequantize every weight to --dtype; auto: gguf for a GGUF on the CPU "
-      "unless --dtype float32 is given")
+      help="gguf: run a GGUF's Q4_0/Q4_1 weights natively as int4 matmuls and its LM head as int8 "
+      "(bfloat16 activations at those matmuls; CPU, --tp 1); w8a16: every linear layer as per-channel int8 "
+      "weights made at load (any checkpoint); none: dequantize every weight to --dtype; auto: gguf for a "
+      "GGUF on the CPU unless --dtype float32 is given")
     a("--quantized-max-tokens", type=int, default=d.quantized_max_tokens,
-      help="with --quantization gguf: forward passes of at most this many tokens use the int4 kernels, "
+      help="with --quantization gguf/w8a16: forward passes of at most this many tokens use the int4 kernels, "
       "larger ones (prefill, big decode batches) a dense copy of the same weights in --dtype; "
       "0 keeps no dense copy and runs every pass in int4 (less memory, slower prefill)")
     a("--device", default=d.device, help="auto | cpu | cuda")

@@ -43,12 +43,13 @@ def read_model(path: str, int4_out: Optional[dict] = None) -> tuple[ModelConfig,
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                attn_backend: Optional[TorchNativeAttnBackend] = None,
                context_length: Optional[int] = None, tp=None, quantization: str = "none",
-               max_quant_tokens: int = 16) -> tuple[LlamaForCausalLM, ModelConfig]:
+               max_quant_tokens: int = 8) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds the model without random init (on meta), then fills it from the checkpoint.
 
     context_length, if given, overrides the config's (it sizes the RoPE cache). With a TP
     communicator `tp`, the model holds this rank's shard of the weights. quantization "gguf"
-    serves the file's Q4_0/Q4_1 weights as int4 (tidal/model/quant.py).
+    serves the file's Q4_0/Q4_1 weights as int4, "w8a16" every linear layer as int8
+    (tidal/model/quant.py).
     """
     int4: Optional[dict] = {} if quantization == "gguf" else None
     config, weights = read_model(path, int4)
@@ -60,8 +61,12 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
     model.tie_weights()  # to_empty may have untied them
     model.model.rotary.build(torch.device(device))  # float32 cache, recomputed for real
     model.load_weights(weights)
-    if int4 is not None:
+    if quantization == "gguf":
         from tidal.model.quant import quantize_model
 
         quantize_model(model, model.fuse_int4(int4), max_quant_tokens)
+    elif quantization == "w8a16":
+        from tidal.model.quant import quantize_model_w8a16
+
+        quantize_model_w8a16(model, max_quant_tokens)
     return model.eval(), config
