@@ -186,3 +186,53 @@ def test_quantized_prefill_over_threshold_is_the_exact_path(models):
     exact, quant, cfg, ids = models
     ref = _logits_over(exact, cfg, ids[:100], chunk=50)
     torch.testing.assert_close(_logits_over(quant, cfg, ids[:100], chunk=50), ref, rtol=0, atol=0)
+
+
+def _greedy(model, cfg, prompt: list[int], n: int) -> list[int]:
+    """Single-request greedy decoding the way a server runs it: the prompt in one pass, then one token per pass."""
+    ids, out = list(prompt), []
+    logits = _logits_over(model, cfg, ids, chunk=len(ids))[-1]
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+        logits = _logits_over_last(model, cfg, ids)
+    return out
+
+
+def _logits_over_last(model, cfg, ids: list[int]) -> torch.Tensor:
+    # recomputes the prefix in one pass (over the dense threshold: the exact path), then the last token alone
+    n = len(ids)
+    pool = MHATokenToKVPool(n + 16, 16, torch.float32, cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    req_to_token = torch.arange(16, 16 + n, dtype=torch.int64)[None]
+
+    def t(x):
+        return torch.tensor(x, dtype=torch.int64)
+
+    with torch.inference_mode():
+        for s, e, mode in ((0, n - 1, ForwardMode.EXTEND), (n - 1, n, ForwardMode.DECODE)):
+            fb = ForwardBatch(mode, t(ids[s:e]), torch.arange(s, e), req_to_token[0, s:e].clone(), t([0]), t([e]),
+                              t([s]), t([e - s]), req_to_token, pool, [e], [s], [e - s])
+            logits = model.compute_logits(model(fb)[-1:])
+    return logits[0]
+
+
+def test_server_serves_the_gguf_quantized_by_default(models):
+    """`tidal serve` at its defaults runs the int4 path, and its greedy tokens are the in-process quantized model's."""
+    import httpx
+
+    from tests.servers import Server
+
+    _, quant, cfg, ids = models
+    prompt = ids[:40]  # > --quantized-max-tokens: prefilled on the dense copy, decoded in int4
+    ref = _greedy(quant, cfg, prompt, 12)
+    srv = Server("--dtype", "auto", "--quantized-max-tokens", "16", "--torch-threads", "1")
+    try:
+        info = httpx.get(srv.url + "/server_info", timeout=30).json()
+        assert info["scheduler_info"]["quantization"] == "gguf"
+        assert info["quantization"] == "auto"
+        body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}}
+        r = httpx.post(srv.url + "/generate", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["output_ids"] == ref
+    finally:
+        assert srv.stop() == 0
