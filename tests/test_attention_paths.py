@@ -100,14 +100,27 @@ def _decode_batch(pool_dtype: torch.dtype, bs: int, seq_len: int):
                         req_to_token, pool, [seq_len] * bs, [seq_len - 1] * bs, [1] * bs)
 
 
-def test_auto_takes_bag_path_only_for_large_float32_batches():
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def test_auto_takes_bag_path_only_for_large_float32_batches_on_one_thread(threads):
     backend = TorchNativeAttnBackend()
+    threads(1)
     small = _decode_batch(torch.float32, 2, 16)
     backend.init_forward_metadata(small)
     assert small.attn_metadata.bag is None
     big_len = attention.BAG_MIN_TOKENS // 2
     big = _decode_batch(torch.float32, 2, big_len)
     backend.init_forward_metadata(big)
+    assert big.attn_metadata.bag is not None
+    threads(2)
+    backend.init_forward_metadata(big)
+    assert big.attn_metadata.bag is None
+    TorchNativeAttnBackend("bag").init_forward_metadata(big)
     assert big.attn_metadata.bag is not None
     bf16 = _decode_batch(torch.bfloat16, 2, big_len)
     TorchNativeAttnBackend("bag").init_forward_metadata(bf16)

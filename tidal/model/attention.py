@@ -12,9 +12,8 @@ the dummy page), in one of two ways, chosen per pass by the batch's KV size:
   everything attention reads. Here V is never copied: the output is a weighted sum of V rows,
   which F.embedding_bag(per_sample_weights=softmax probabilities) reads in place from the
   pool. K is gathered a few requests at a time into a small workspace that stays in cache
-  while one bmm per kv head turns it into scores. Measured on a 2-core AVX2 CPU (30 layers,
-  float32): ~0.7x the "sdpa" time once B*L reaches a few thousand tokens, slower below
-  (more small ops), hence the size switch.
+  while one bmm per kv head turns it into scores. It runs more, smaller ops than "sdpa",
+  so it pays only on large batches and with one intra-op thread (see BAG_MIN_TOKENS).
 
 EXTEND loops over requests: padding ragged prompts to the longest one wastes up to Bx the
 attention work, and on CPU torch's flash kernel is several times slower with an explicit mask
@@ -61,8 +60,11 @@ class TorchNativeMetadata:
 
 
 DECODE_PATHS = ("auto", "sdpa", "bag")
-# "auto" takes the "bag" path from this many padded KV tokens (B * L) per pass; measured
-# break-even on a 2-core AVX2 CPU with SmolLM2-135M (3 kv heads x 64) lies between 2k and 8k.
+# "auto" takes the "bag" path from this many padded KV tokens (B * L) per pass, and only with one
+# intra-op thread. Measured on a shared 2-core AVX2 CPU, SmolLM2-135M (3 kv heads x 64), float32,
+# whole decode step, bag/sdpa: 1 thread: 0.78-0.88 from 8k tokens, 0.94-1.01 at 2k-4k, 0.91-1.06
+# at 256-1k (noise); 2 threads: 1.35-3x, every small op of the K chunk loop being an OpenMP
+# region that waits for a descheduled thread (unchunked: 0.99-1.06, no gain).
 BAG_MIN_TOKENS = 4096
 # K bytes gathered at once on the "bag" path: small enough to stay in a core's L2
 BAG_K_CHUNK_BYTES = 1 << 20
@@ -71,8 +73,8 @@ BAG_K_CHUNK_BYTES = 1 << 20
 class TorchNativeAttnBackend:
     """Attention over the paged KV pool with torch's scaled_dot_product_attention and embedding_bag.
 
-    decode_path: "auto" (by batch size, see BAG_MIN_TOKENS), or always "sdpa" or "bag"; "bag"
-    needs a float32 CPU pool and falls back to "sdpa" otherwise.
+    decode_path: "auto" (by batch size and thread count, see BAG_MIN_TOKENS), or always "sdpa" or
+    "bag"; "bag" needs a float32 CPU pool and falls back to "sdpa" otherwise.
     """
 
     def __init__(self, decode_path: str = "auto") -> None:
@@ -105,7 +107,9 @@ class TorchNativeAttnBackend:
         pool = fb.kv_pool
         if self.decode_path == "sdpa" or pool.dtype != torch.float32 or pool.device.type != "cpu":
             return False
-        return self.decode_path == "bag" or padded_tokens >= BAG_MIN_TOKENS
+        if self.decode_path == "bag":
+            return True
+        return padded_tokens >= BAG_MIN_TOKENS and torch.get_num_threads() == 1
 
     @staticmethod
     def _bag_metadata(fb: ForwardBatch, meta: TorchNativeMetadata) -> BagDecode:
