@@ -3,7 +3,7 @@
 `init_forward_metadata` builds, once per forward pass, what every layer reuses.
 
 DECODE (the hot path) is fully batched over a padded slot table [B, L] (padding -> slot 0,
-the dummy page), in one of two ways, chosen per pass by the batch's KV size:
+the dummy page), in one of two ways, chosen per pass by the batch's KV size and the thread count:
 
 - "sdpa": gather all requests' K/V at once into a workspace, then SDPA with a [B, 1, 1, L]
   mask hiding the padding. The query heads that share a kv head are folded into the
@@ -210,7 +210,8 @@ class TorchNativeAttnBackend:
         for b0 in range(0, bs, step):
             b1 = min(bs, b0 + step)
             k_ws, _ = self._workspace((b1 - b0) * max_len, kbuf)
-            k = torch.index_select(kbuf, 0, kv_index[b0:b1].reshape(-1), out=k_ws).view(b1 - b0, max_len, n_kv, head_dim)
+            k = torch.index_select(kbuf, 0, kv_index[b0:b1].reshape(-1), out=k_ws)
+            k = k.view(b1 - b0, max_len, n_kv, head_dim)
             for h in range(n_kv):
                 torch.bmm(qh[h, b0:b1], k[:, :, h, :].transpose(1, 2), out=scores[h, b0:b1])  # [c, G, L]
         if bag.score_bias is not None:
