@@ -1,14 +1,14 @@
 """Where the time of one forward pass goes: the model alone, no server, no scheduler.
 
     python -m tidal.bench.step --batch-sizes 1 8 32 --context 256 [--dtype auto] [--quantization auto]
-    python -m tidal.bench.step --decode-paths sdpa bag   # A/B of the decode attention paths
 
 For each batch size it fills a paged KV pool with `context` tokens per request (pages
 shuffled, as in a long-running server), then times decode steps (ms/step, median of
 --steps after --warmup) and, with --profile, groups torch's profiler events by kind:
 matmul (linear layers and LM head), attention, K/V store and gather, norms/activations/RoPE
 (elementwise) and everything else. `--prefill N` also times one N-token prefill in chunks of
---chunk tokens.
+--chunk tokens. `--decode-paths sdpa bag` times both decode attention paths in one run, their
+steps alternating (an A/B).
 """
 
 from __future__ import annotations
