@@ -7,7 +7,8 @@ shuffled, as in a long-running server), then times decode steps (ms/step, median
 --steps after --warmup) and, with --profile, groups torch's profiler events by kind:
 matmul (linear layers and LM head), attention, K/V store and gather, norms/activations/RoPE
 (elementwise) and everything else. `--prefill N` also times one N-token prefill in chunks of
---chunk tokens.
+--chunk tokens. `--decode-paths sdpa bag` times both decode attention paths in one run, their
+steps alternating (an A/B).
 """
 
 from __future__ import annotations
@@ -24,13 +25,16 @@ import torch
 
 from tidal.cli_help import DefaultsHelpFormatter
 from tidal.config import ServerArgs, default_model_path
+from tidal.model.attention import DECODE_PATHS
 from tidal.model.forward_batch import ForwardBatch, ForwardMode
 
 # torch profiler op name -> bucket (first match wins; names are aten ops or our record_function labels)
 _BUCKETS = [
-    ("matmul", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
+    # the model's only bmm, softmax and embedding_bag are the "bag" decode attention path's
+    ("attention", ("scaled_dot_product", "_flash_attention", "flex_attention", "tidal::attn", "aten::bmm",
+                   "aten::_softmax", "embedding_bag")),
+    ("matmul", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul",
                 "_weight_int4pack_mm", "_weight_int8pack_mm", "mkldnn")),
-    ("attention", ("scaled_dot_product", "_flash_attention", "flex_attention", "tidal::attn")),
     ("kv store/gather", ("aten::index_select", "aten::index_put", "aten::index_copy", "aten::index",
                          "tidal::kv")),
     ("sampling/logits", ("aten::argmax", "aten::topk", "aten::sort", "aten::softmax", "tidal::sample")),
@@ -130,19 +134,35 @@ def time_steps(fn, warmup: int, steps: int) -> list[float]:
 
 
 def bench_decode(sb: StepBench, batch: int, context: int, warmup: int, steps: int,
-                 profile: bool) -> dict:
+                 profile: bool, paths: tuple[str, ...] = ("auto",)) -> list[dict]:
+    """One row per decode attention path; with several, their steps alternate so load changes hit all alike."""
     fb_once = sb.decode_step(batch, context)
+    backend = sb.runner.attn_backend
 
-    def step():
-        fb_once.attn_metadata = None
-        sb.run(fb_once)
+    def step_fn(path: str):
+        def step():
+            backend.decode_path = path
+            fb_once.attn_metadata = None
+            sb.run(fb_once)
+        return step
 
-    times = time_steps(step, warmup, steps)
-    row = {"batch": batch, "context": context, "ms_per_step_p50": statistics.median(times),
-           "ms_per_step_min": min(times), "tok_per_s": batch * 1000.0 / statistics.median(times)}
-    if profile:
-        row["breakdown_ms"] = profile_breakdown(step, max(3, steps // 2))
-    return row
+    fns = {path: step_fn(path) for path in paths}
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times: dict[str, list[float]] = {path: [] for path in paths}
+    for _ in range(steps):
+        for path, fn in fns.items():
+            times[path] += time_steps(fn, 0, 1)
+    rows = []
+    for path in paths:
+        p50 = statistics.median(times[path])
+        row = {"batch": batch, "context": context, "decode_path": path, "ms_per_step_p50": p50,
+               "ms_per_step_min": min(times[path]), "tok_per_s": batch * 1000.0 / p50}
+        if profile:
+            row["breakdown_ms"] = profile_breakdown(fns[path], max(3, steps // 2))
+        rows.append(row)
+    return rows
 
 
 def bench_prefill(sb: StepBench, tokens: int, chunk: int) -> dict:
@@ -179,6 +199,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     a("--warmup", type=int, default=3, help="untimed steps first")
     a("--steps", type=int, default=10, help="timed steps (the median is reported)")
     a("--profile", action="store_true", help="also group profiler time by kind of op")
+    a("--decode-paths", nargs="+", choices=DECODE_PATHS, default=["auto"],
+      help="decode attention paths to time (tidal/model/attention.py); several alternate step by step "
+           "in one run, for an A/B")
     a("--prefill", type=int, default=0, help="also time prefilling one prompt of this many tokens")
     a("--chunk", type=int, default=512, help="prefill chunk size (for filling the pool and --prefill)")
     a("--output-file", default=None, help="write the results as JSON here")
@@ -194,9 +217,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     result = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "dtype": str(sb.runner.dtype),
               "decode": []}
     for b in ns.batch_sizes:
-        row = bench_decode(sb, b, ns.context, ns.warmup, ns.steps, ns.profile)
-        result["decode"].append(row)
-        print(json.dumps(row))
+        for row in bench_decode(sb, b, ns.context, ns.warmup, ns.steps, ns.profile, tuple(ns.decode_paths)):
+            result["decode"].append(row)
+            print(json.dumps(row))
     if ns.prefill:
         result["prefill"] = bench_prefill(sb, ns.prefill, ns.chunk)
         print(json.dumps(result["prefill"]))

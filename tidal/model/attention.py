@@ -2,10 +2,18 @@
 
 `init_forward_metadata` builds, once per forward pass, what every layer reuses.
 
-DECODE (the hot path) is fully batched: a padded slot table [B, L] (padding -> slot 0, the
-dummy page) gathers all requests' K/V at once and a [B, 1, 1, L] mask hides the padding.
-The query heads that share a kv head are folded into the query-length axis, so GQA needs
-no K/V expansion.
+DECODE (the hot path) is fully batched over a padded slot table [B, L] (padding -> slot 0,
+the dummy page), in one of two ways, chosen per pass by the batch's KV size and the thread count:
+
+- "sdpa": gather all requests' K/V at once into a workspace, then SDPA with a [B, 1, 1, L]
+  mask hiding the padding. The query heads that share a kv head are folded into the
+  query-length axis, so GQA needs no K/V expansion. Best while the gathered K/V stays in cache.
+- "bag": decode attention is memory-bound, and gathering K/V writes and re-reads a copy of
+  everything attention reads. Here V is never copied: the output is a weighted sum of V rows,
+  which F.embedding_bag(per_sample_weights=softmax probabilities) reads in place from the
+  pool. K is gathered a few requests at a time into a small workspace that stays in cache
+  while one bmm per kv head turns it into scores. It runs more, smaller ops than "sdpa",
+  so it pays only on large batches and with one intra-op thread (see BAG_MIN_TOKENS).
 
 EXTEND loops over requests: padding ragged prompts to the longest one wastes up to Bx the
 attention work, and on CPU torch's flash kernel is several times slower with an explicit mask
@@ -34,16 +42,45 @@ class ExtendSegment:
 
 
 @dataclass
+class BagDecode:
+    """What the "bag" decode path reuses in every layer (Hkv kv heads, G query heads per kv head)."""
+    k_chunk_rows: int  # requests whose K is gathered at once
+    score_bias: Optional[torch.Tensor]  # [1, B, 1, L] 0 / -inf, or None when no row is padded
+    # built by the pass's first layer, which knows G:
+    v_rows: Optional[torch.Tensor] = None  # [Hkv * B * G * L] rows of the pool's V viewed as [slots * Hkv, D]
+    v_offsets: Optional[torch.Tensor] = None  # [Hkv * B * G + 1] start of each (kv head, request, query head) bag
+
+
+@dataclass
 class TorchNativeMetadata:
     kv_index: Optional[torch.Tensor] = None  # DECODE: [B, L] KV slots, padding -> 0
     mask: Optional[torch.Tensor] = None  # DECODE: bool [B, 1, 1, L], or None when no row is padded
+    bag: Optional[BagDecode] = None  # DECODE: set when this pass takes the "bag" path
     segments: list[ExtendSegment] = field(default_factory=list)  # EXTEND: one per request
 
 
-class TorchNativeAttnBackend:
-    """Attention over the paged KV pool with torch's scaled_dot_product_attention."""
+DECODE_PATHS = ("auto", "sdpa", "bag")
+# "auto" takes the "bag" path from this many padded KV tokens (B * L) per pass, and only with one
+# intra-op thread. Measured on a shared 2-core AVX2 CPU, SmolLM2-135M (3 kv heads x 64), float32,
+# whole decode step, bag/sdpa: 1 thread: 0.78-0.88 from 8k tokens, 0.94-1.01 at 2k-4k, 0.91-1.06
+# at 256-1k (noise); 2 threads: 1.35-3x, every small op of the K chunk loop being an OpenMP
+# region that waits for a descheduled thread (unchunked: 0.99-1.06, no gain).
+BAG_MIN_TOKENS = 4096
+# K bytes gathered at once on the "bag" path: small enough to stay in a core's L2
+BAG_K_CHUNK_BYTES = 1 << 20
 
-    def __init__(self) -> None:
+
+class TorchNativeAttnBackend:
+    """Attention over the paged KV pool with torch's scaled_dot_product_attention and embedding_bag.
+
+    decode_path: "auto" (by batch size and thread count, see BAG_MIN_TOKENS), or always "sdpa" or
+    "bag"; "bag" needs a float32 CPU pool and falls back to "sdpa" otherwise.
+    """
+
+    def __init__(self, decode_path: str = "auto") -> None:
+        if decode_path not in DECODE_PATHS:
+            raise ValueError(f"decode_path must be one of {DECODE_PATHS}, not {decode_path!r}")
+        self.decode_path = decode_path
         self._ws: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -52,16 +89,48 @@ class TorchNativeAttnBackend:
         else:
             fb.attn_metadata = self._extend_metadata(fb)
 
-    @staticmethod
-    def _decode_metadata(fb: ForwardBatch) -> TorchNativeMetadata:
+    def _decode_metadata(self, fb: ForwardBatch) -> TorchNativeMetadata:
         max_len = max(fb.seq_lens_cpu)
         dev = fb.req_to_token.device
         slots = fb.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
         if min(fb.seq_lens_cpu) == max_len:
-            return TorchNativeMetadata(kv_index=slots)
-        valid = torch.arange(max_len, device=dev)[None, :] < fb.seq_lens[:, None]  # [B, L]
-        kv_index = torch.where(valid, slots, torch.zeros_like(slots))
-        return TorchNativeMetadata(kv_index=kv_index, mask=valid[:, None, None, :])  # [B, 1, 1, L]
+            meta = TorchNativeMetadata(kv_index=slots)
+        else:
+            valid = torch.arange(max_len, device=dev)[None, :] < fb.seq_lens[:, None]  # [B, L]
+            kv_index = torch.where(valid, slots, torch.zeros_like(slots))
+            meta = TorchNativeMetadata(kv_index=kv_index, mask=valid[:, None, None, :])  # [B, 1, 1, L]
+        if self._takes_bag_path(fb, meta.kv_index.numel()):
+            meta.bag = self._bag_metadata(fb, meta)
+        return meta
+
+    def _takes_bag_path(self, fb: ForwardBatch, padded_tokens: int) -> bool:
+        pool = fb.kv_pool
+        if self.decode_path == "sdpa" or pool.dtype != torch.float32 or pool.device.type != "cpu":
+            return False
+        if self.decode_path == "bag":
+            return True
+        return padded_tokens >= BAG_MIN_TOKENS and torch.get_num_threads() == 1
+
+    @staticmethod
+    def _bag_metadata(fb: ForwardBatch, meta: TorchNativeMetadata) -> BagDecode:
+        pool = fb.kv_pool
+        bs, max_len = meta.kv_index.shape
+        bias = None
+        if meta.mask is not None:
+            dev = meta.kv_index.device
+            bias = torch.zeros(bs, max_len, device=dev).masked_fill_(~meta.mask.view(bs, max_len), float("-inf"))
+            bias = bias[None, :, None, :]
+        k_token_bytes = pool.num_kv_heads * pool.head_dim * pool.dtype.itemsize
+        return BagDecode(max(1, BAG_K_CHUNK_BYTES // (max_len * k_token_bytes)), bias)
+
+    @staticmethod
+    def _bag_v_rows(bag: BagDecode, kv_index: torch.Tensor, n_kv: int, group: int) -> None:
+        """V row of (slot, kv head h) in V viewed as [slots * Hkv, D]; bags ordered (h, request, query head)."""
+        bs, max_len = kv_index.shape
+        heads = torch.arange(n_kv, device=kv_index.device)[:, None, None, None]
+        bag.v_rows = (kv_index[None, :, None, :] * n_kv + heads).expand(n_kv, bs, group, max_len).reshape(-1)
+        n_bags = n_kv * bs * group
+        bag.v_offsets = torch.arange(0, (n_bags + 1) * max_len, max_len, device=kv_index.device)
 
     @staticmethod
     def _extend_metadata(fb: ForwardBatch) -> TorchNativeMetadata:
@@ -112,6 +181,8 @@ class TorchNativeAttnBackend:
         return torch.index_select(kbuf, 0, flat, out=k_out), torch.index_select(vbuf, 0, flat, out=v_out)
 
     def _decode(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, meta: TorchNativeMetadata) -> torch.Tensor:
+        if meta.bag is not None:
+            return self._decode_bag(q, layer_id, fb, meta.kv_index, meta.bag)
         bs, n_heads, head_dim = q.shape
         max_len = meta.kv_index.shape[1]
         k, v = self._gather(layer_id, fb, meta.kv_index)  # [B*L, Hkv, D]
@@ -122,6 +193,33 @@ class TorchNativeAttnBackend:
         qg = q.view(bs, n_kv, n_heads // n_kv, head_dim)
         out = F.scaled_dot_product_attention(qg, k, v, attn_mask=meta.mask)  # [B, Hkv, G, D]
         return out.reshape(bs, n_heads * head_dim)
+
+    def _decode_bag(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, kv_index: torch.Tensor,
+                    bag: BagDecode) -> torch.Tensor:
+        bs, n_heads, head_dim = q.shape
+        max_len = kv_index.shape[1]
+        kbuf, vbuf = fb.kv_pool.get_k(layer_id), fb.kv_pool.get_v(layer_id)
+        n_kv = kbuf.shape[1]
+        group = n_heads // n_kv
+        if bag.v_rows is None:
+            self._bag_v_rows(bag, kv_index, n_kv, group)
+        # [B, H, D] -> [Hkv, B, G, D], pre-scaled so the scores need no extra pass
+        qh = (q.to(kbuf.dtype) * head_dim ** -0.5).view(bs, n_kv, group, head_dim).transpose(0, 1)
+        scores = q.new_empty(n_kv, bs, group, max_len, dtype=kbuf.dtype)
+        step = bag.k_chunk_rows
+        for b0 in range(0, bs, step):
+            b1 = min(bs, b0 + step)
+            k_ws, _ = self._workspace((b1 - b0) * max_len, kbuf)
+            k = torch.index_select(kbuf, 0, kv_index[b0:b1].reshape(-1), out=k_ws)
+            k = k.view(b1 - b0, max_len, n_kv, head_dim)
+            for h in range(n_kv):
+                torch.bmm(qh[h, b0:b1], k[:, :, h, :].transpose(1, 2), out=scores[h, b0:b1])  # [c, G, L]
+        if bag.score_bias is not None:
+            scores.add_(bag.score_bias)
+        probs = torch.softmax(scores, dim=-1)
+        out = F.embedding_bag(bag.v_rows, vbuf.view(-1, head_dim), bag.v_offsets, mode="sum",
+                              per_sample_weights=probs.view(-1), include_last_offset=True)  # [Hkv*B*G, D]
+        return out.view(n_kv, bs, group, head_dim).transpose(0, 1).reshape(bs, n_heads * head_dim).to(q.dtype)
 
     def _extend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch, meta: TorchNativeMetadata) -> torch.Tensor:
