@@ -30,8 +30,11 @@ class InFlight:
     batch: ScheduleBatch
     future: Future  # (logits, SampleOutput)
 
+    def __post_init__(self) -> None:
+        self._ids = {id(r) for r in self.batch.reqs}
+
     def holds(self, req) -> bool:
-        return any(r is req for r in self.batch.reqs)
+        return id(req) in self._ids
 
 
 class ForwardThread:
@@ -59,10 +62,11 @@ class ForwardThread:
             except BaseException as e:  # the scheduler thread re-raises it where it waits
                 future.set_exception(e)
 
-    def stop(self, timeout_s: float = 1.0) -> None:
+    def stop(self) -> None:
+        """The thread ends after the job it runs, if any; not waited for (SIGTERM exits at once,
+        and the KV buffers a pass writes stay mapped until the process ends)."""
         if self._thread is not None:
             self._jobs.put((None, None))
-            self._thread.join(timeout_s)
             self._thread = None
 
 

@@ -284,6 +284,7 @@ class Scheduler:
         info = self._sampling_info(batch, pending)
         resolve_inputs = input_ids_from(prev, batch)
         self.stats.on_batch(batch)
+        self.stats.num_overlapped_batches += prev is not None
 
         def forward_and_sample():
             if resolve_inputs is not None:
@@ -375,6 +376,7 @@ class Scheduler:
             num_prefill_batches=s.num_prefill_batches,
             num_decode_batches=s.num_decode_batches,
             max_decode_batch_size=s.max_decode_batch_size,
+            num_overlapped_batches=s.num_overlapped_batches,
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
             disaggregation_mode=self.role.name,
