@@ -3,6 +3,7 @@ outputs equal the serial loop's token for token, and the pools stay consistent a
 
 from __future__ import annotations
 
+import logging
 import random
 
 import pytest
@@ -178,6 +179,22 @@ def test_tp_never_overlaps():
     assert not Scheduler(ServerArgs(model_path="fake"), runner).overlap
     assert Scheduler(ServerArgs(model_path="fake"), FakeModelRunner()).overlap
     assert not Scheduler(ServerArgs(model_path="fake", disable_overlap_schedule=True), FakeModelRunner()).overlap
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_step_timing_is_logged_at_debug(caplog, overlap):
+    from tidal.scheduler.step_timing import LOG_EVERY
+
+    caplog.set_level(logging.DEBUG, logger="tidal.scheduler.step_timing")
+    sched = make_sched(overlap)
+    sched.handle(GenerateReq(rid="x", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=LOG_EVERY + 5,
+                                                                                    temperature=0)))
+    while sched.step() or not sched.is_idle():
+        sched.timing.end_iteration(True, sched.last_batch_size)
+    lines = [r.getMessage() for r in caplog.records if "step timing" in r.getMessage()]
+    assert len(lines) == 1
+    for phase in ("recv", "schedule", "forward", "sample", "process", "send", "non-forward"):
+        assert f" {phase}=" in lines[0]
 
 
 # ---------------------------------------------------------------------- the real model
