@@ -162,3 +162,26 @@ def test_bench_against_real_server(server, backend, tmp_path):
     assert res["completed"] == 4 and res["failed"] == 0
     assert res["total_output_tokens"] == 32
     assert res["ttft_ms"]["p50"] > 0 and out.exists()
+
+
+def test_disable_overlap_schedule_gives_the_same_outputs(server):
+    """The module's server overlaps decode passes (the default); one started with
+    --disable-overlap-schedule answers every request token for token the same."""
+    serial = Server("--chunked-prefill-size", "64", "--enable-integrity-check", "--disable-overlap-schedule")
+    try:
+        bodies = [
+            {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True}},
+            {"text": PROMPTS[1], "sampling_params": {"max_new_tokens": 24, "temperature": 0.8, "seed": 11}},
+            {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 24, "temperature": 0.0, "stop": [" the"]}},
+            {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": 48, "temperature": 0.0}},
+        ]
+        for body in bodies:
+            got = [httpx.post(s.url + "/generate", json=body, timeout=120).json() for s in (server, serial)]
+            assert got[0]["output_ids"] == got[1]["output_ids"], body
+            assert got[0]["meta_info"]["finish_reason"] == got[1]["meta_info"]["finish_reason"], body
+        info = [httpx.get(s.url + "/server_info", timeout=10).json() for s in (server, serial)]
+        assert [i["disable_overlap_schedule"] for i in info] == [False, True]
+        overlapped = [i["internal_states"][0]["num_overlapped_batches"] for i in info]
+        assert overlapped[0] > 0 and overlapped[1] == 0
+    finally:
+        serial.stop()

@@ -141,6 +141,7 @@ class ServerArgs:
     random_seed: int = 0
     torch_threads: Optional[int] = None
     stream_interval: int = 1
+    disable_overlap_schedule: bool = False
     enable_integrity_check: bool = False
     watchdog_timeout: float = 300.0
     http_read_timeout_secs: float = 20.0
@@ -259,6 +260,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--random-seed", type=int, default=d.random_seed, help="seed for sampling without a per-request seed")
     a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
     a("--stream-interval", type=int, default=d.stream_interval, help="stream every N tokens")
+    a("--disable-overlap-schedule", action="store_true",
+      help="run each decode step's scheduling and result processing between forward passes instead of "
+           "while the next pass runs (default: overlapped; TP > 1 and the prefill role never overlap)")
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds without scheduler output before requests fail (and TP collectives time out)")
     a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,

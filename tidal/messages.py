@@ -143,6 +143,7 @@ class StatsResp(_Msg):
     disaggregation_mode: str = "null"
     epoch: int = 0
     queue_sizes: dict[str, int] = {}
+    num_overlapped_batches: int = 0  # decode passes launched while the previous one ran
     # KV transfer (prefill/decode roles): counters and a latency histogram {le: count}
     transfer_bytes: int = 0
     transfer_succeeded: int = 0

@@ -111,7 +111,8 @@ class BatchPlanner:
                 return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        return build_decode_batch(s.running, mem, s.runner.kv_pool)
+        reqs = s.decode_candidates()
+        return build_decode_batch(reqs, mem, s.runner.kv_pool) if reqs else None
 
     def retract_decode(self) -> None:
         """Free KV by sending the youngest requests back to the waiting queue."""
@@ -193,8 +194,12 @@ class BatchPlanner:
         _, out = result
         next_ids = out.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
+            if req.finished:  # it ended while this (overlapped) pass ran: the row was for nothing
+                s.mem.drop_last_slot(req)
+                s.mem.release(req)
+                continue
             self.append_token(req, next_ids[i], out, i)
-            if req.finished:
+            if req.finished and not s.in_flight(req):  # else released when that pass is processed
                 s.mem.release(req)
             s.emit(req)
         s.running = [r for r in s.running if not r.finished]

@@ -90,6 +90,14 @@ class KVMemory:
         self.tree_cache.cache_finished_req(req, token_ids)
         req.req_pool_idx = None
 
+    def drop_last_slot(self, req: Req) -> None:
+        """Forget the KV of the request's last position (a pass computed it after the request
+        ended); frees its page when that position was the page's first."""
+        req.kv_len -= 1
+        pos = req.kv_len
+        if pos % self.page_size == 0:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, pos : pos + 1].clone())
+
     def cache_unfinished(self, req: Req) -> None:
         self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
 

@@ -30,6 +30,8 @@ from tidal.messages import (
     encode,
 )
 
+from tidal.scheduler.step_timing import now
+
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
@@ -177,11 +179,17 @@ class SchedulerLoop:
             self.poller.register(recv, zmq.POLLIN)
 
     def run(self) -> None:
+        timing = self.sched.timing
         while True:
+            t0 = now()
             for frame in self._inbox():
                 self.sched.handle(decode_to_scheduler(frame))
+            timing.add("recv", now() - t0)
             did_work = self.sched.step()
+            t1 = now()
             self._flush(did_work)
+            timing.add("send", now() - t1)
+            timing.end_iteration(did_work, self.sched.last_batch_size)
             if not did_work:
                 self._on_idle()
 

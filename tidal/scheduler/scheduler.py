@@ -24,12 +24,15 @@ from tidal.messages import (
     ToApi,
     ToScheduler,
 )
+from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.scheduler.batching import BatchPlanner
 from tidal.scheduler.memory import KVMemory
+from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 from tidal.scheduler.stats import SchedulerStats
+from tidal.scheduler.step_timing import StepTiming, now
 from tidal.scheduler.stop import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -64,6 +67,13 @@ class Scheduler:
         self.running: list[Req] = []
         self.planner = BatchPlanner(self)
         self.stats = SchedulerStats()
+        self.timing = StepTiming()
+        self.last_batch_size = 0
+        # decode passes overlap the scheduler's work (not with TP: the ranks' collectives
+        # would run from two threads)
+        self.overlap = not args.disable_overlap_schedule and self.tp.size == 1
+        self.forward_thread = ForwardThread()
+        self.inflight: Optional[InFlight] = None
         self.outbox: list[ReqOutput] = []
         self.replies: list[ToApi] = []
         from tidal.roles import create_role
@@ -75,6 +85,8 @@ class Scheduler:
     # ------------------------------------------------------------------ inputs
 
     def handle(self, msg: ToScheduler) -> None:
+        if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq)):
+            self.drain()  # these look for an idle scheduler: no pass may be left in flight
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
@@ -152,6 +164,7 @@ class Scheduler:
         self.role.abort(rid, abort_all)
 
     def flush_cache(self) -> bool:
+        self.drain()
         if self.waiting_queue or self.live_reqs():
             return False
         return self.mem.flush()
@@ -160,28 +173,50 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to run."""
+        if self.overlap:
+            return self._step_overlapped()
+        t0 = now()
         self.controller.on_iteration()
         self.role.advance_queues()
         batch = self.role.next_batch()
+        self.timing.add("schedule", now() - t0)
         if batch is None:
+            self.last_batch_size = 0
             return False
         result = self.run_batch(batch)
+        t1 = now()
         self.role.process_result(batch, result)
+        self.timing.add("process", now() - t1)
+        self.last_batch_size = len(batch)
         return True
 
     def run_batch(self, batch: ScheduleBatch):
+        t0 = now()
         logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
+        t1 = now()
+        self.timing.add("forward", t1 - t0)
+        out = self._sample(batch, logits, self._sampling_info(batch))
+        self.stats.on_batch(batch)
+        self.timing.add("sample", now() - t1)
+        return logits, out
+
+    def _sampling_info(self, batch: ScheduleBatch, pending: Optional[list[bool]] = None) -> SamplingBatchInfo:
+        """pending[i]: request i's last output token is still being sampled by the pass in flight."""
+        reqs = batch.reqs
+        outputs = [r.output_ids + PENDING if pending and pending[i] else r.output_ids for i, r in enumerate(reqs)]
+        return SamplingBatchInfo.build(
+            [r.sampling for r in reqs],
+            outputs,
+            [r.origin_input_ids for r in reqs],
+            self.runner.model_config.vocab_size,
+            self.runner.device,
+            list(self.stop.eos_ids),
+        )
+
+    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, info: SamplingBatchInfo):
         last_rows = torch.tensor([s.last for s in batch.spans], dtype=torch.int64)
         sample_logits = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
         reqs = batch.reqs
-        info = SamplingBatchInfo.build(
-            [r.sampling for r in reqs],
-            [r.output_ids for r in reqs],
-            [r.origin_input_ids for r in reqs],
-            self.runner.model_config.vocab_size,
-            sample_logits.device,
-            list(self.stop.eos_ids),
-        )
         out = self.sampler.sample(
             sample_logits,
             info,
@@ -190,18 +225,107 @@ class Scheduler:
         )
         if self.tp.size > 1:  # rank 0's draw, so every rank's requests continue identically
             out.next_token_ids = self.tp.broadcast_tensor(out.next_token_ids)
+        return out
+
+    # ------------------------------------------------------------------ overlap
+
+    def _step_overlapped(self) -> bool:
+        """Launch decode pass N+1 behind pass N, then process N's result while N+1 runs."""
+        t0 = now()
+        self.controller.on_iteration()
+        self.role.advance_queues()
+        if self.inflight is not None and not self._can_schedule_behind():
+            self.timing.add("schedule", now() - t0)
+            self.drain()
+            t0 = now()
+        batch = self.role.next_batch()
+        self.timing.add("schedule", now() - t0)
+        if batch is None:
+            self.last_batch_size = 0
+            return self.drain()
+        self.last_batch_size = len(batch)
+        if batch.mode is ForwardMode.DECODE and self._role_overlaps():
+            prev, self.inflight = self.inflight, self._launch(batch, self.inflight)
+            if prev is not None:
+                self._finish(prev)
+            return True
+        self.drain()  # not reached with a pass in flight (see _can_schedule_behind); kept safe
+        result = self.run_batch(batch)
+        t1 = now()
+        self.role.process_result(batch, result)
+        self.timing.add("process", now() - t1)
+        return True
+
+    def _role_overlaps(self) -> bool:
+        return self.role.name in ("null", "decode")  # prefill runs prefill passes only
+
+    def _can_schedule_behind(self) -> bool:
+        """May the next batch be built before the in-flight pass's tokens are known?
+
+        Not when it may be a prefill (serial prefills keep admission exactly as without
+        overlap), when a request's penalties need its last token, or when decode memory
+        is short (retraction must not release a request whose pass is in flight)."""
+        s, mem = self, self.mem
+        if not self._role_overlaps() or s.waiting_queue or self.planner.chunked_req is not None:
+            return False
+        if any(r.sampling.has_penalties for r in s.running):
+            return False
+        return mem.decode_tokens_needed([r.kv_len for r in s.running]) <= mem.available_tokens()
+
+    def decode_candidates(self) -> list[Req]:
+        """Running requests that need another decode pass: not those whose in-flight pass
+        samples their last token (max_new_tokens or the context length ends them)."""
+        if self.inflight is None:
+            return list(self.running)  # a copy: the batch's requests must not change while it runs
+        return [r for r in self.running if not (self.inflight.holds(r) and self.stop.ends_by_length(r, pending=1))]
+
+    def _launch(self, batch: ScheduleBatch, prev: Optional[InFlight]) -> InFlight:
+        pending = [prev is not None and prev.holds(r) for r in batch.reqs]
+        info = self._sampling_info(batch, pending)
+        resolve_inputs = input_ids_from(prev, batch)
         self.stats.on_batch(batch)
-        return logits, out
+        self.stats.num_overlapped_batches += prev is not None
+
+        def forward_and_sample():
+            if resolve_inputs is not None:
+                resolve_inputs()
+            logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
+            return logits, self._sample(batch, logits, info)
+
+        return InFlight(batch, self.forward_thread.submit(forward_and_sample))
+
+    def _finish(self, done: InFlight) -> None:
+        t0 = now()
+        result = done.future.result()
+        t1 = now()
+        self.timing.add("forward", t1 - t0)  # the wait for the worker, not the pass
+        self.role.process_result(done.batch, result)
+        self.timing.add("process", now() - t1)
+
+    def drain(self) -> bool:
+        """Wait for the pass in flight and process its result; False if there was none."""
+        done, self.inflight = self.inflight, None
+        if done is None:
+            return False
+        self._finish(done)
+        return True
+
+    def in_flight(self, req: Req) -> bool:
+        """True while a pass that computes a row for this request has not been processed."""
+        return self.inflight is not None and self.inflight.holds(req)
 
     def live_reqs(self) -> list[Req]:
         """Requests that hold KV or a req slot (for integrity checks and aborts)."""
         live = list(self.running)
         if self.planner.chunked_req is not None:
             live.append(self.planner.chunked_req)
+        if self.inflight is not None:  # ended, but a pass in flight still writes their KV
+            live += [r for r in self.inflight.batch.reqs if r.finished and r.req_pool_idx is not None]
         return live + self.role.extra_live_reqs()
 
     def is_idle(self) -> bool:
-        return not self.waiting_queue and not self.live_reqs() and self.role.is_idle()
+        return (self.inflight is None and not self.waiting_queue and not self.live_reqs()
+                and self.role.is_idle())
 
     def set_cache(self, cache) -> None:
         """Swap the prefix cache (role switches); everything that matches prefixes follows."""
@@ -209,6 +333,7 @@ class Scheduler:
         self.planner.policy.tree_cache = cache
 
     def shutdown(self) -> None:
+        self.forward_thread.stop()
         self.controller.shutdown()
         self.role.shutdown()
         pool = getattr(self.runner, "kv_pool", None)
@@ -251,6 +376,7 @@ class Scheduler:
             num_prefill_batches=s.num_prefill_batches,
             num_decode_batches=s.num_decode_batches,
             max_decode_batch_size=s.max_decode_batch_size,
+            num_overlapped_batches=s.num_overlapped_batches,
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
             disaggregation_mode=self.role.name,

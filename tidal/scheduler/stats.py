@@ -15,6 +15,7 @@ THROUGHPUT_WINDOW_S = 5.0
 class SchedulerStats:
     num_prefill_batches: int = 0
     num_decode_batches: int = 0
+    num_overlapped_batches: int = 0  # decode passes launched while the previous one was in flight
     max_decode_batch_size: int = 0
     num_retracted: int = 0
     total_prompt_tokens: int = 0

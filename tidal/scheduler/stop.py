@@ -40,6 +40,11 @@ class StopChecker:
             if matched is not None:
                 req.finish(FinishReason(type="stop", matched=matched))
 
+    def ends_by_length(self, req: Req, pending: int = 0) -> bool:
+        """True when the request ends on length once `pending` more output tokens are appended."""
+        n = len(req.output_ids) + pending
+        return n >= req.sampling.max_new_tokens or len(req.origin_input_ids) + n >= self.context_length
+
     def _match_stop_string(self, req: Req) -> Optional[str]:
         longest = max(len(s) for s in req.sampling.stop)
         # a token decodes to >= 1 char, so the last `longest + 1` tokens cover any new match
