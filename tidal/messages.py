@@ -116,6 +116,8 @@ class SchedulerReady(_Msg):
     page_size: int
     device: str
     dtype: str
+    torch_threads: int = 0  # per rank
+    cpu_affinity: list[str] = []  # each rank's CPUs, in rank order ("0-3")
 
 
 class FlushCacheResp(_Msg):
