@@ -114,7 +114,7 @@ def test_api_process_starts_no_thread_pool_under_load_and_server_info_reports_th
         info = httpx.get(server.url + "/server_info", timeout=30).json()
         assert info["torch_threads"] == len(physical_cores(usable_cpus()))
         assert info["cpu_affinity"] == [format_cpu_list(usable_cpus())]
-        (scheduler,) = api.children()
+        (scheduler,) = [c for c in api.children() if any("spawn_main" in a for a in c.cmdline())]
         assert scheduler.num_threads() <= info["torch_threads"] + 6  # main, ZMQ's 2, torch/python helpers
     finally:
         server.stop()
