@@ -21,6 +21,7 @@ import httpx
 import psutil
 
 from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
+from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member, usable_cpus
 from tidal.leftovers import sweep_stale_segments
 from tidal.router.policies import POLICIES
 
@@ -42,10 +43,15 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--bootstrap-base-port", type=int, default=8998, help="first prefill bootstrap port")
     a("--disaggregation-transfer-backend", default="shm", choices=TRANSFER_BACKENDS, help="KV transfer backend of every server")
     a("--policy", default="cache_aware", choices=POLICIES, help="the router's policy: how a worker is picked for a request")
-    a("--torch-threads", type=int, default=None, help="per server (default: cores / servers)")
+    a("--torch-threads", type=int, default=None,
+      help="torch threads per server (default: the physical cores of its own CPU set when pinned, else "
+           "physical cores // servers, at least 1)")
+    a("--disable-cpu-pinning", action="store_true",
+      help="do not pin each server (and, with --tp, each rank) to its own physical cores (default: pinned when "
+           "there are at least as many cores as servers; with fewer they share all CPUs, 1+ thread each)")
     a("--server-args", default="",
       help="extra flags for every server, as one quoted string (default: none; the cluster already passes each "
-           "server --torch-threads cores/servers and --mem-fraction-static 0.5/servers, which these override)")
+           "server --torch-threads (see above) and --mem-fraction-static 0.5/servers, which these override)")
     a("--api-key", default=None,
       help="API key of every server and of the router, passed to them in their environment "
            "(default: $TIDAL_API_KEY, else none)")
@@ -71,7 +77,21 @@ def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Op
         cmd += ["--model-path", ns.model_path]
     if bootstrap_port is not None:
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
+    if ns.disable_cpu_pinning:
+        cmd += ["--disable-cpu-pinning"]
     return cmd + shlex.split(ns.server_args)
+
+
+def plan_cpus(ns: argparse.Namespace, num_servers: int) -> list[CpuPlan]:
+    """Each server's share of this machine's CPUs (see tidal.cpus.plan_member)."""
+    limit = cgroup_cpu_limit()
+    plans = [plan_member(i, num_servers, pin=not ns.disable_cpu_pinning, cpu_limit=limit) for i in range(num_servers)]
+    return [CpuPlan(ns.torch_threads or p.threads, p.cpus) for p in plans]
+
+
+def _pin_to(cpus: Optional[list[int]]):
+    """Popen preexec_fn: the server and every process it starts run on cpus (None: no change)."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
 
 
 def _child_env(ns: argparse.Namespace, router: bool = False) -> dict[str, str]:
@@ -179,7 +199,7 @@ def run_cluster(ns: argparse.Namespace) -> int:
     if not any(m == "null" for _, m, _, _ in plan) and (ns.prefill < 1 or ns.decode < 1):
         print("[cluster] needs at least one prefill and one decode server (or --worker)", file=sys.stderr)
         return 2
-    threads = ns.torch_threads or max(1, (os.cpu_count() or 1) // len(plan))
+    cpu_plans = plan_cpus(ns, len(plan))
     children: list[Child] = []
     stop = {"signal": False}
 
@@ -189,8 +209,10 @@ def run_cluster(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        for name, mode, port, bport in plan:
-            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, threads, len(plan)), env=_child_env(ns))
+        for (name, mode, port, bport), cpus in zip(plan, cpu_plans):
+            print(f"[cluster] {name}: {cpus.describe(usable_cpus())}", flush=True)
+            proc = subprocess.Popen(_server_cmd(ns, mode, port, bport, cpus.threads, len(plan)), env=_child_env(ns),
+                                    preexec_fn=_pin_to(cpus.cpus))
             children.append(Child(name, proc, f"http://{ns.host}:{port}"))
         _wait_healthy(children, time.time() + READY_TIMEOUT_S, stop)
         router = Child("router", subprocess.Popen(_router_cmd(ns, plan), env=_child_env(ns, router=True)),

@@ -140,6 +140,7 @@ class ServerArgs:
     # runtime
     random_seed: int = 0
     torch_threads: Optional[int] = None
+    disable_cpu_pinning: bool = False
     stream_interval: int = 1
     disable_overlap_schedule: bool = False
     enable_integrity_check: bool = False
@@ -258,7 +259,12 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="Bearer key the admin routes (/flush_cache, /abort_request, /admin/*, /pd_role_switch) require "
            "(default: $TIDAL_ADMIN_API_KEY, else none; then they take --api-key, or are open without either)")
     a("--random-seed", type=int, default=d.random_seed, help="seed for sampling without a per-request seed")
-    a("--torch-threads", type=int, default=None, help="torch intra-op threads in the scheduler (default: all cores)")
+    a("--torch-threads", type=int, default=None,
+      help="torch intra-op threads per scheduler process (default: the physical cores it may use, from its CPU "
+           "affinity, SMT siblings counted once and capped by the cgroup CPU quota, divided among the --tp ranks)")
+    a("--disable-cpu-pinning", action="store_true",
+      help="with --tp > 1, do not pin each rank to its own physical cores (default: pinned when there are at "
+           "least as many cores as ranks; with fewer the ranks share all CPUs)")
     a("--stream-interval", type=int, default=d.stream_interval, help="stream every N tokens")
     a("--disable-overlap-schedule", action="store_true",
       help="run each decode step's scheduling and result processing between forward passes instead of "

@@ -117,6 +117,8 @@ class SchedulerReady(_Msg):
     device: str
     dtype: str
     quantization: str = "none"  # "gguf": the file's int4 weights run natively (tidal/model/quant.py)
+    torch_threads: int = 0  # per rank
+    cpu_affinity: list[str] = []  # each rank's CPUs, in rank order ("0-3")
 
 
 class FlushCacheResp(_Msg):

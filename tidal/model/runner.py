@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import logging
-import os
+from typing import Optional
 
 import torch
 
 from tidal.config import ServerArgs
+from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attention import TorchNativeAttnBackend
 from tidal.model.forward_batch import ForwardBatch
@@ -48,13 +49,6 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
 
 
-def _usable_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))  # respects taskset/cgroup cpusets, unlike os.cpu_count()
-    except AttributeError:
-        return os.cpu_count() or 1
-
-
 def _free_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -65,7 +59,8 @@ def _free_memory_bytes(device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, args: ServerArgs, tp=None):
+    def __init__(self, args: ServerArgs, tp=None, cpu_plan: Optional[CpuPlan] = None):
+        """cpu_plan: this rank's share of the CPUs (default: computed here, without pinning)."""
         from tidal.parallel import SingleRank
 
         self.args = args
@@ -73,7 +68,9 @@ class ModelRunner:
         self.device = resolve_device(args.device)
         self.dtype = resolve_dtype(args.dtype, self.device)
         self.page_size = args.page_size
-        torch.set_num_threads(args.torch_threads or max(1, _usable_cpus() // self.tp.size))
+        plan = cpu_plan or plan_member(self.tp.rank, self.tp.size, pin=False, cpu_limit=cgroup_cpu_limit())
+        self.torch_threads = args.torch_threads or plan.threads
+        torch.set_num_threads(self.torch_threads)
         self.attn_backend = TorchNativeAttnBackend()
         self.quantization = resolve_quantization(args.quantization, resolve_model_path(args.model_path)[0],
                                                  args.dtype, self.device, self.tp.size)

@@ -85,6 +85,7 @@ def _release(cleanup: list) -> None:
 def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm_name: Optional[str],
          who: str, cleanup: list) -> None:
     """`cleanup` collects what SIGTERM must release, in the order it was acquired."""
+    cpu_plan = take_cpus(args, tp_rank)  # first: threads started from now on inherit the affinity
     ctx = zmq.Context(1)
     cleanup.append(lambda: ctx.destroy(linger=0))
     recv = None
@@ -97,9 +98,9 @@ def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm
     try:
         comm = make_comm(args, tp_rank, tp_comm_name)
         cleanup.append(comm.close)
-        sched = build_scheduler(args, comm)
+        sched = build_scheduler(args, comm, cpu_plan)
         cleanup.append(sched.shutdown)
-        comm.all_gather_ints([1])  # every rank built its part before rank 0 says ready
+        affinities = [a.decode() for a in comm.all_gather_bytes(current_affinity().encode())]  # all ranks built
     except Exception as e:  # report why we could not start, then exit non-zero
         logger.error("scheduler failed to start: %s", e)
         if not _peer_aborted(e):  # the rank that failed reports; its peers only stop
@@ -110,7 +111,7 @@ def _run(args: ServerArgs, recv_addr: str, send_addr: str, tp_rank: int, tp_comm
         _release(cleanup)
         exit_now(1)  # a SIGTERM during the interpreter's teardown would be lost in a __del__
     if tp_rank == 0:
-        send.send(encode(ready_message(sched)))
+        send.send(encode(ready_message(sched, affinities)))
     try:
         SchedulerLoop(sched, recv, send).run()
     except Exception as e:
@@ -139,17 +140,56 @@ def make_comm(args: ServerArgs, tp_rank: int, tp_comm_name: Optional[str]):
     return ShmComm(tp_comm_name, tp_rank, args.tp_size, timeout_s=args.watchdog_timeout)
 
 
-def build_scheduler(args: ServerArgs, comm=None):
+def take_cpus(args: ServerArgs, tp_rank: int):
+    """This rank's share of the CPUs its server may use; with --tp > 1 and enough physical
+    cores, pins it to its own (unless --disable-cpu-pinning)."""
+    from tidal.cpus import apply_plan, cgroup_cpu_limit, plan_member
+
+    plan = plan_member(tp_rank, args.tp_size, pin=not args.disable_cpu_pinning, cpu_limit=cgroup_cpu_limit())
+    apply_plan(plan)
+    return plan
+
+
+def current_affinity() -> str:
+    from tidal.cpus import format_cpu_list, usable_cpus
+
+    return format_cpu_list(usable_cpus())
+
+
+def _log_cpus(runner, plan) -> None:
+    import os
+
+    import torch
+
+    from tidal.cpus import cgroup_cpu_limit, physical_cores, usable_cpus
+
+    cpus = usable_cpus()
+    limit = cgroup_cpu_limit()
+    logger.info("CPUs: %d torch threads (inter-op %d), affinity %s (%s), %d physical cores in %d CPUs, "
+                "cgroup CPU limit %s, OMP_WAIT_POLICY=%s", runner.torch_threads, torch.get_num_interop_threads(),
+                current_affinity(), "pinned" if plan and plan.cpus is not None else "inherited",
+                len(physical_cores(cpus)), len(cpus), "none" if limit is None else f"{limit:g}",
+                os.environ.get("OMP_WAIT_POLICY", "unset"))
+
+
+def build_scheduler(args: ServerArgs, comm=None, cpu_plan=None):
+    import torch
+
     from tidal.model.runner import ModelRunner
     from tidal.model.tokenizer import load_tokenizer
     from tidal.scheduler.scheduler import Scheduler
 
-    runner = ModelRunner(args, comm)
+    try:
+        torch.set_num_interop_threads(1)  # nothing here runs inter-op parallel work
+    except RuntimeError:  # already set, or inter-op work already ran in this process
+        pass
+    runner = ModelRunner(args, comm, cpu_plan)
+    _log_cpus(runner, cpu_plan)
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
     return Scheduler(args, runner, tokenizer)
 
 
-def ready_message(sched) -> SchedulerReady:
+def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerReady:
     runner = sched.runner
     return SchedulerReady(
         max_total_tokens=sched.mem.max_total_tokens,
@@ -161,6 +201,8 @@ def ready_message(sched) -> SchedulerReady:
         device=str(runner.device),
         dtype=str(runner.dtype).replace("torch.", ""),
         quantization=runner.quantization,
+        torch_threads=getattr(runner, "torch_threads", 0),
+        cpu_affinity=list(cpu_affinity or []),
     )
 
 

@@ -247,6 +247,8 @@ def _add_info_routes(app: FastAPI) -> None:
             "disaggregation_mode": stats.disaggregation_mode if stats else ctx.args.disaggregation_mode,
             "epoch": stats.epoch if stats else 0,
             "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
+            "torch_threads": ctx.tm.ready.torch_threads if ctx.tm.ready else None,
+            "cpu_affinity": ctx.tm.ready.cpu_affinity if ctx.tm.ready else None,
             "internal_states": [_struct_dict(stats)] if stats is not None else [],
         })
         return JSONResp(_reveal(info, request))

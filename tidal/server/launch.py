@@ -27,6 +27,7 @@ import zmq
 import zmq.asyncio
 
 from tidal.config import ServerArgs
+from tidal.cpus import set_server_env
 from tidal.http_timeout import h11_with_read_timeout
 from tidal.leftovers import sweep_stale_segments
 from tidal.messages import SchedulerError, SchedulerReady, decode_to_api
@@ -73,6 +74,7 @@ def _default_target() -> Callable:
 
 def launch_server(args: ServerArgs, scheduler_target: Optional[Callable] = None) -> int:
     """Run a server until SIGINT/SIGTERM or the scheduler's death; returns the exit status."""
+    set_server_env()  # before the scheduler processes start (they inherit it) and torch loads here
     target = scheduler_target or _default_target()
     args = args.with_bootstrap_key()  # one per server: every TP rank gets the same
     port_error = _port_unavailable(args.host, args.port)
@@ -217,6 +219,7 @@ def _load_tokenizer_in_thread(args: ServerArgs) -> asyncio.Future:
     def work() -> None:
         try:
             result: tuple = (load_server_tokenizer(args), None)
+            _one_torch_thread()
         except BaseException as e:  # noqa: BLE001 - reported through the future
             result = (None, e)
         with contextlib.suppress(RuntimeError):  # the loop is gone: nobody waits any more
@@ -224,6 +227,14 @@ def _load_tokenizer_in_thread(args: ServerArgs) -> asyncio.Future:
 
     threading.Thread(target=work, name="tidal-tokenizer-load", daemon=True).start()
     return fut
+
+
+def _one_torch_thread() -> None:
+    """The API process runs no heavy tensor work: if transformers brought torch in, any op it
+    ever runs stays on one thread instead of starting an OpenMP pool next to the scheduler's."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
 
 
 async def _wait_ready(pull: Any, proc: SchedulerProcs, control: _Control,
