@@ -9,6 +9,7 @@ from typing import Optional
 
 import pytest
 import torch
+from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
 
 from tidal.config import ServerArgs
 from tidal.kvcache.kv_pool import MHATokenToKVPool
@@ -76,14 +77,6 @@ def tok():
 
     return load_tokenizer(GGUF_PATH)
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The test machines are small and shared: one intra-op thread avoids OpenMP stalls (and is faster here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

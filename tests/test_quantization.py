@@ -13,6 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
 
 from tidal.config import ServerArgs, default_model_path
 from tidal.kvcache.kv_pool import MHATokenToKVPool
@@ -37,13 +38,6 @@ TEXT = ("The scheduler keeps a queue of waiting requests and a batch of running 
         "it back in the queue; its cached prefix may survive in the tree. Chunked prefill splits a long "
         "prompt into pieces so that decoding requests keep getting tokens while it is processed.")
 
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1"])
