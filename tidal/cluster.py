@@ -23,6 +23,7 @@ import psutil
 from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member, usable_cpus
 from tidal.leftovers import sweep_stale_segments
+from tidal.planner.flags import add_planner_args, planner_argv
 from tidal.router.policies import POLICIES
 
 READY_TIMEOUT_S = 900.0
@@ -58,6 +59,7 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--admin-api-key", default=None,
       help="admin key of every server and of the router; the router uses it on the servers' admin routes "
            "(default: $TIDAL_ADMIN_API_KEY, else none)")
+    add_planner_args(p)  # passed on to the router; with --planner sla the servers may switch roles
 
 
 @dataclass
@@ -79,6 +81,8 @@ def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Op
         cmd += ["--disaggregation-bootstrap-port", str(bootstrap_port)]
     if ns.disable_cpu_pinning:
         cmd += ["--disable-cpu-pinning"]
+    if ns.planner != "static":
+        cmd += ["--enable-dynamic-disaggregation"]
     return cmd + shlex.split(ns.server_args)
 
 
@@ -105,22 +109,26 @@ def _child_env(ns: argparse.Namespace, router: bool = False) -> dict[str, str]:
 
 
 def plan_servers(ns: argparse.Namespace) -> list[tuple[str, str, int, Optional[int]]]:
-    """(name, mode, port, bootstrap_port) of every server."""
+    """(name, mode, port, bootstrap_port) of every server: prefill servers have a bootstrap port,
+    and so has every server when the planner may move it to prefill."""
     plan, port = [], ns.base_port
+    movable = ns.planner != "static"
     for i in range(ns.prefill):
         plan.append((f"prefill-{i}", "prefill", port, ns.bootstrap_base_port + i))
         port += 1
     for i in range(ns.decode):
-        plan.append((f"decode-{i}", "decode", port, None))
+        plan.append((f"decode-{i}", "decode", port, ns.bootstrap_base_port + ns.prefill + i if movable else None))
         port += 1
     for i in range(ns.worker):
-        plan.append((f"worker-{i}", "null", port, None))
+        plan.append((f"worker-{i}", "null", port,
+                     ns.bootstrap_base_port + ns.prefill + ns.decode + i if movable else None))
         port += 1
     return plan
 
 
 def _router_cmd(ns: argparse.Namespace, plan: list) -> list[str]:
-    cmd = [sys.executable, "-m", "tidal.router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy]
+    cmd = [sys.executable, "-m", "tidal.router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy,
+           *planner_argv(ns)]
     for _, mode, port, bport in plan:
         url = f"http://{ns.host}:{port}"
         if mode == "prefill":

@@ -153,6 +153,7 @@ class StatsResp(_Msg):
     failed_transfers: int = 0
     transfer_latency_histogram: dict[str, int] = {}
     transfer_latency_sum: float = 0.0
+    queued_prefill_tokens: int = 0  # prompt tokens waiting for prefill (waiting queue, chunk left, role queues)
 
 
 class LoadSnapshot(_Msg):

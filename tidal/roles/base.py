@@ -38,5 +38,8 @@ class Role(Protocol):
     def num_queued(self) -> int:
         """Requests in the role's own queues (reported as waiting)."""
 
+    def queued_prefill_tokens(self) -> int:
+        """Prompt tokens in the role's own queues that this server will still prefill."""
+
     def is_idle(self) -> bool:
         """True when the role's own queues are empty."""

@@ -167,6 +167,9 @@ class DecodeRole:
     def num_queued(self) -> int:
         return len(self.prealloc_queue)
 
+    def queued_prefill_tokens(self) -> int:
+        return 0  # their KV comes from a prefill server
+
     def is_idle(self) -> bool:
         return not self.prealloc_queue and not self.transfer_queue
 

@@ -48,6 +48,9 @@ class NullRole:
     def num_queued(self) -> int:
         return 0
 
+    def queued_prefill_tokens(self) -> int:
+        return 0
+
     def is_idle(self) -> bool:
         return True
 

@@ -171,6 +171,9 @@ class PrefillRole:
     def num_queued(self) -> int:
         return len(self.bootstrap_queue)
 
+    def queued_prefill_tokens(self) -> int:
+        return sum(len(r.origin_input_ids) for r in self.bootstrap_queue)
+
     def is_idle(self) -> bool:
         return not self.bootstrap_queue and not self.inflight_queue
 

@@ -31,12 +31,13 @@ from starlette.responses import Response
 
 import tidal
 from tidal.config import bearer_headers, hide_model_paths, mask_secrets
+from tidal.planner.loop import PlannerLoop, load_cost_model
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
 from tidal.router.legs import json_error
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
-from tidal.router.orchestrate import add_orchestration_routes
+from tidal.router.orchestrate import RoleMover, add_orchestration_routes
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.server.protocol import internal_error_message
 from tidal.router.workers import (
@@ -45,6 +46,7 @@ from tidal.router.workers import (
     MODES,
     NULL,
     PREFILL,
+    LOAD_KEYS,
     HealthChecker,
     Worker,
     WorkerRegistry,
@@ -71,6 +73,8 @@ class RouterState:
     session: Optional[aiohttp.ClientSession] = None
     checker: Optional[HealthChecker] = None
     dispatcher: Optional[Dispatcher] = None
+    mover: Optional[RoleMover] = None
+    planner: Optional[PlannerLoop] = None
     started_at: float = dataclasses.field(default_factory=time.time)
 
     def worker_headers(self) -> dict:
@@ -108,7 +112,10 @@ def build_state(cfg: RouterConfig) -> RouterState:
                 DECODE: make_policy(cfg.decode_policy or cfg.policy, **knobs),
                 NULL: make_policy(cfg.policy, **knobs)}
     registry.on_remove(lambda url: [p.forget(url) for p in policies.values()])
-    return RouterState(cfg, registry, policies, RouterMetrics())
+    st = RouterState(cfg, registry, policies, RouterMetrics())
+    st.mover = RoleMover(st)
+    st.planner = PlannerLoop(cfg.planner, st, load_cost_model(cfg.planner_profile), cfg.planner_profile)
+    return st
 
 
 def _st(request: Request) -> RouterState:
@@ -126,12 +133,14 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout_s, sock_read=cfg.request_timeout_s))
     st.checker = HealthChecker(st.registry, st.session, cfg.health_check_interval_s, cfg.health_check_timeout_s,
                                st.worker_headers())
-    st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics)
+    st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics, st.planner.window)
     await st.checker.check_all()
     st.checker.start()
+    st.planner.start()
     try:
         yield
     finally:
+        await st.planner.stop()
         await st.checker.stop()
         await st.dispatcher.aclose()
         await st.session.close()
@@ -343,7 +352,7 @@ def _add_admin_routes(app: FastAPI) -> None:
         st = _st(request)
         healthy = [w for w in st.registry.all() if w.healthy]
         await asyncio.gather(*(st.checker.refresh_load(w) for w in healthy))
-        total = {"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0, "num_tokens": 0}
+        total = {"dp_rank": 0, **dict.fromkeys(LOAD_KEYS, 0)}
         for w in healthy:
             for k, v in (w.load or {}).items():
                 total[k] += v
@@ -358,6 +367,10 @@ def _add_admin_routes(app: FastAPI) -> None:
 
     for method in ("GET", "POST"):  # one route per method: distinct OpenAPI operation ids
         app.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
+
+    @app.get("/planner/status")
+    async def planner_status(request: Request) -> Response:
+        return _json(_st(request).planner.status())
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -7,8 +7,11 @@ import logging
 import sys
 from typing import Optional
 
+import msgspec
+
 from tidal.config import keys_from_env
 from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
+from tidal.planner.flags import add_planner_args, planner_config_from_namespace
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
 from tidal.router.workers import (
@@ -73,6 +76,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="close a connection whose whole request has not arrived this many seconds after it "
                         f"opened or after its previous response (slowloris) (default: {DEFAULT_READ_TIMEOUT_S:g})")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"), help="logging level")
+    add_planner_args(parser)
 
 
 def _prefill_entries(values: list[list[str]]) -> list[tuple[str, Optional[int]]]:
@@ -99,7 +103,7 @@ def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
         balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
         admin_api_key=ns.admin_api_key,
         worker_admin_api_key=ns.worker_admin_api_key, switch_timeout_s=ns.switch_timeout_secs,
-        log_level=ns.log_level)
+        log_level=ns.log_level, planner=planner_config_from_namespace(ns), planner_profile=ns.planner_profile)
 
 
 def run_router(ns: argparse.Namespace) -> int:
@@ -115,7 +119,11 @@ def run_router(ns: argparse.Namespace) -> int:
     logging.basicConfig(level=cfg.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if not (cfg.prefill or cfg.decode or cfg.workers):
         logger.warning("no workers given: add them with POST /add_worker")
-    app = create_router_app(cfg)
+    try:
+        app = create_router_app(cfg)
+    except (OSError, ValueError, msgspec.MsgspecError) as e:  # the planner's profile
+        print(f"tidal router: error: --planner-profile {cfg.planner_profile}: {e}", file=sys.stderr)
+        return 2
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
                 http=h11_with_read_timeout(ns.http_read_timeout_secs))
     return 0

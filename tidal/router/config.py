@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 from tidal.config import masked_repr
+from tidal.planner.schema import PlannerConfig
 
 
 @dataclasses.dataclass
@@ -37,6 +38,8 @@ class RouterConfig:
     worker_admin_api_key: Optional[str] = None  # sent to workers' admin routes (role moves, flush_cache)
     switch_timeout_s: float = 60.0  # drain + switch budget for one role move
     log_level: str = "info"
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    planner_profile: Optional[str] = None  # a `tidal profile` JSON for the planner's cost model
 
     def __repr__(self) -> str:  # never shows a key
         return masked_repr(self)

@@ -12,12 +12,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from typing import Any, Optional, Union
 
 import aiohttp
 import msgspec
 from starlette.responses import Response
 
+from tidal.planner.schema import NULL_PATH, PD_PATH
+from tidal.planner.window import Observation, StreamTally, body_token_counts, stream_observation
 from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
@@ -146,8 +149,9 @@ Outcome = Union[Response, Failure]
 
 class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policies: dict[str, Policy],
-                 session: aiohttp.ClientSession, metrics: RouterMetrics) -> None:
+                 session: aiohttp.ClientSession, metrics: RouterMetrics, observer: Any = None) -> None:
         self.cfg = cfg
+        self.observer = observer  # the planner's TrafficWindow: arrival(now), completion(now, Observation)
         self.registry = registry
         self.policies = policies  # per pool: PREFILL, DECODE, NULL
         self.session = session
@@ -197,6 +201,9 @@ class Dispatcher:
     async def dispatch(self, route: str, body: dict, auth: Optional[str] = None) -> Response:
         stream = bool(body.get("stream"))
         text = request_text(route, body)
+        started_at = time.monotonic()
+        if self.observer is not None:
+            self.observer.arrival(started_at)
         tried: set[str] = set()
         last: Optional[Failure] = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -212,6 +219,7 @@ class Dispatcher:
                 out = await self._whole_attempt(route, body, first, stream, auth)
             if isinstance(out, Response):
                 self.metrics.requests.labels(route, str(out.status_code)).inc()
+                self._observe(PD_PATH if kind == "pd" else NULL_PATH, started_at, out)
                 return out
             last = out
             tried.update(w.url for w in (first, second) if w is not None)
@@ -222,6 +230,24 @@ class Dispatcher:
         resp = last.response() if last is not None else self._unavailable()
         self.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
+
+    def _observe(self, path: str, started_at: float, out: Response) -> None:
+        """Tell the planner's window how a successful request went (a stream: once it ends)."""
+        if self.observer is None or not 200 <= out.status_code < 300:
+            return
+        if isinstance(out, RelayResponse):
+            tally = out.tally = StreamTally(time.monotonic())
+
+            def ended(completed: bool) -> None:
+                if completed:
+                    now = time.monotonic()
+                    self.observer.completion(now, stream_observation(path, started_at, tally, now))
+
+            out.on_end = ended
+            return
+        prompt, completion = body_token_counts(out.body)
+        self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=prompt,
+                                                               completion_tokens=completion))
 
     # ------------------------------------------------------------ one attempt
 

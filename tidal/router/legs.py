@@ -153,6 +153,8 @@ class RelayResponse(Response):
         self.leg = leg
         self.prefill_task = prefill_task
         self.on_done = on_done
+        self.tally: Any = None  # fed every chunk when set (the planner's StreamTally)
+        self.on_end: Optional[Callable[[bool], None]] = None  # called with `completed` when the relay ends
         self.status_code = leg.status or 200
         self.media_type = leg.headers.get("content-type", "text/event-stream")
         self.background = None
@@ -170,15 +172,23 @@ class RelayResponse(Response):
                 t.cancel()
             await asyncio.gather(pump, gone, return_exceptions=True)
             self.leg.close()
+            if self.on_end is not None:
+                self.on_end(completed)
             await self.on_done(self.prefill_task, completed)
+
+    def _tally(self, chunk: bytes) -> None:
+        if self.tally is not None:
+            self.tally.feed(chunk)
 
     async def _pump(self, send: Any) -> None:
         await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
         if self.leg.body:
+            self._tally(self.leg.body)
             await send({"type": "http.response.body", "body": self.leg.body, "more_body": True})
         try:
             if self.leg.rest is not None:
                 async for chunk in self.leg.rest:
+                    self._tally(chunk)
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})
         except aiohttp.ClientError as e:
             self.leg._fail(f"stream broke: {type(e).__name__}: {e}", conn=not isinstance(e, TimeoutError))

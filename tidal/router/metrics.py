@@ -23,6 +23,21 @@ class RouterMetrics:
         self.healthy = Gauge("tidal_router:worker_healthy", "1 if the worker passed its last checks", wl, registry=r)
         self.in_flight = Gauge("tidal_router:worker_in_flight", "Requests the router has open on the worker",
                                wl, registry=r)
+        self.planner_moves = Counter("tidal_router:planner_moves", "Role moves the planner started, by outcome",
+                                     ["from", "to", "outcome"], registry=r)
+        self.planner_decisions = Counter("tidal_router:planner_decisions", "Planner decisions by kind (move, hold)",
+                                         ["kind"], registry=r)
+        pool = ["pool"]
+        self.planner_predicted_ttft = Gauge("tidal_router:planner_predicted_ttft_seconds",
+                                            "Planner's predicted TTFT of the current pools, by pool", pool, registry=r)
+        self.planner_predicted_tpot = Gauge("tidal_router:planner_predicted_tpot_seconds",
+                                            "Planner's predicted TPOT of the current pools, by pool", pool, registry=r)
+        self.planner_observed_ttft = Gauge("tidal_router:planner_observed_ttft_seconds",
+                                           "Mean TTFT of streamed requests over the planner's window, by pool",
+                                           pool, registry=r)
+        self.planner_observed_tpot = Gauge("tidal_router:planner_observed_tpot_seconds",
+                                           "Mean TPOT of streamed requests over the planner's window, by pool",
+                                           pool, registry=r)
 
     def render(self, workers: WorkerRegistry) -> bytes:
         self.healthy.clear()

@@ -23,8 +23,8 @@ def _json(obj: Any, status_code: int = 200) -> Response:
     return Response(msgspec.json.encode(obj), status_code=status_code, media_type="application/json")
 
 
-def _error(message: str, status_code: int, **extra: Any) -> Response:
-    return _json({"error": {"message": message, "code": status_code}, **extra}, status_code)
+def _error(message: str, status_code: int, **extra: Any) -> tuple[int, dict]:
+    return status_code, {"error": {"message": message, "code": status_code}, **extra}
 
 
 class RoleMover:
@@ -32,6 +32,12 @@ class RoleMover:
         self.st = st
 
     async def move(self, url: str, mode: str) -> Response:
+        """The HTTP answer of `move_result`."""
+        status, body = await self.move_result(url, mode)
+        return _json(body, status)
+
+    async def move_result(self, url: str, mode: str) -> tuple[int, dict]:
+        """(HTTP status, JSON body): 200 and the new mode, or an error with the worker left where it was."""
         w: Worker = self.st.registry.get(url)
         if w is None:
             return _error(f"unknown worker {url}", 404)
@@ -54,8 +60,8 @@ class RoleMover:
                               f"expected {mode} with an epoch above {old_epoch}", 502, worker_response=body)
             await self._learn(w, mode, epoch)
             logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
-            return _json({"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
-                          "timings_ms": body.get("timings_ms", {})})
+            return 200, {"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
+                         "timings_ms": body.get("timings_ms", {})}
         finally:
             w.switching = False
 
@@ -97,5 +103,6 @@ def add_orchestration_routes(app: FastAPI) -> None:
         try:
             body = msgspec.json.decode(await request.body(), type=SetRoleBody)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            return _error(f"body must be {{\"url\": ..., \"mode\": ...}}: {e}", 400)
-        return await RoleMover(request.app.state.router).move(body.url.strip().rstrip("/"), body.mode)
+            status, err = _error(f"body must be {{\"url\": ..., \"mode\": ...}}: {e}", 400)
+            return _json(err, status)
+        return await request.app.state.router.mover.move(body.url.strip().rstrip("/"), body.mode)

@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (PREFILL, DECODE, NULL)
 DEFAULT_BOOTSTRAP_PORT = 8998
-LOAD_KEYS = ("num_reqs", "num_waiting_reqs", "num_tokens")
+LOAD_KEYS = ("num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens", "max_total_tokens")
 
 
 def normalize_url(url: str) -> str:

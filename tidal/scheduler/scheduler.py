@@ -383,8 +383,15 @@ class Scheduler:
             epoch=self.controller.epoch,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
                          **self.role.queue_sizes()},
+            queued_prefill_tokens=self.queued_prefill_tokens(),
             **self._transfer_stats(),
         )
+
+    def queued_prefill_tokens(self) -> int:
+        chunked = self.planner.chunked_req
+        waiting = sum(len(r.all_ids) - r.kv_len for r in self.waiting_queue)
+        left = len(chunked.all_ids) - chunked.kv_len if chunked is not None else 0
+        return waiting + left + self.role.queued_prefill_tokens()
 
     def _transfer_stats(self) -> dict:
         transfer = getattr(self.role, "transfer", None)

@@ -288,6 +288,8 @@ def _add_admin_routes(app: FastAPI) -> None:
         st, age = await _ctx(request).tm.latest_stats()  # not an RPC: it must answer under load
         return JSONResp([{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
                           "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens,
+                          "num_queued_prefill_tokens": st.queued_prefill_tokens,
+                          "max_total_tokens": st.max_total_tokens,
                           "age_s": round(age, 3)}])
 
     async def flush_cache(request: Request) -> Response:

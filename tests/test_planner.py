@@ -1,0 +1,253 @@
+"""The planner's pure decision on synthetic load snapshots, its window and its cost model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tidal.planner.decide import PlannerState, decide, pool_counts
+from tidal.planner.schema import DECODE, NULL, PREFILL, PlannerConfig, Traffic, WorkerLoad
+from tidal.planner.window import Observation, StreamTally, TrafficWindow, body_token_counts, stream_observation
+from tidal.profile.cost import CostModel
+
+KV = 65536
+# a toy server: 1 ms per prompt token; a decode step of 20 ms + 0.5 ms per extra request + 1 us per KV token
+PROFILE = {
+    "version": 1, "server": {"max_total_tokens": KV},
+    "prefill": [{"tokens": 1, "seconds": 0.001}, {"tokens": 1000, "seconds": 1.0}],
+    "decode": [{"batch": b, "context_tokens": c, "step_seconds": 0.02 + 0.0005 * (b - 1) + 1e-6 * c}
+               for b in (1, 64) for c in (0, KV)],
+    "kv_transfer": [{"tokens": 1, "bytes": 1, "seconds": 0.001}, {"tokens": 1000, "bytes": 1, "seconds": 0.01}],
+    "switch": [],
+}
+COST = CostModel.from_dict(PROFILE)
+NOW = 1000.0
+
+LONG_PROMPTS = Traffic(arrival_rate=1.5, mean_input_tokens=1000, mean_output_tokens=20)  # prefill-bound
+LONG_ANSWERS = Traffic(arrival_rate=3.0, mean_input_tokens=100, mean_output_tokens=500)  # decode-bound
+LIGHT = Traffic(arrival_rate=0.5, mean_input_tokens=300, mean_output_tokens=100)
+
+
+def cfg(**kw) -> PlannerConfig:
+    return PlannerConfig(**{"mode": "sla", "ttft_slo_s": 3.0, "tpot_slo_s": 0.1, "interval_s": 5.0,
+                            "cooldown_s": 30.0, **kw})
+
+
+def layout(p: int, d: int, n: int, **per_mode: dict) -> list[WorkerLoad]:
+    out = []
+    for mode, k in ((PREFILL, p), (DECODE, d), (NULL, n)):
+        out += [WorkerLoad(url=f"http://{mode}{i}", mode=mode, kv_tokens_total=KV, **per_mode.get(mode, {}))
+                for i in range(k)]
+    return out
+
+
+STARVED_PREFILL = layout(1, 2, 0, prefill={"queued_prefill_tokens": 5000, "waiting_reqs": 5})
+STARVED_DECODE = layout(2, 1, 0, decode={"running_reqs": 60})
+
+
+# ---------------------------------------------------------------- direction
+
+
+def test_starved_prefill_pool_gets_a_decode_worker():
+    d = decide(NOW, cfg(), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert d.kind == "move", d.reason
+    assert (d.src, d.dst) == (DECODE, PREFILL)
+    assert d.best.prediction.score < d.current.score
+    assert d.current.paths["pd"].ttft_s > 3.0 > d.best.prediction.paths["pd"].ttft_s - 3.0
+
+
+def test_starved_prefill_pool_gets_a_null_worker():
+    loads = layout(1, 1, 1, prefill={"queued_prefill_tokens": 4000})
+    d = decide(NOW, cfg(), PlannerState(), loads, Traffic(arrival_rate=1.8, mean_input_tokens=1000,
+                                                          mean_output_tokens=20), COST)
+    assert d.kind == "move" and (d.src, d.dst) == (NULL, PREFILL), d.reason
+
+
+def test_starved_decode_pool_gets_a_worker():
+    d = decide(NOW, cfg(), PlannerState(), STARVED_DECODE, LONG_ANSWERS, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (PREFILL, DECODE), d.reason
+    assert d.current.paths["pd"].tpot_s > 0.1 > d.best.prediction.paths["pd"].tpot_s
+
+
+def test_starved_decode_pool_gets_a_null_worker():
+    loads = layout(1, 1, 1, decode={"running_reqs": 100})
+    d = decide(NOW, cfg(), PlannerState(), loads, LONG_ANSWERS, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (NULL, DECODE), d.reason
+
+
+def test_balanced_pools_hold():
+    d = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(2, 2, 0), LIGHT, COST)
+    assert d.kind == "hold" and "hysteresis" in d.reason, d.reason
+    assert d.current.score < 1.0
+
+
+def test_static_never_moves():
+    for loads, traffic in ((STARVED_PREFILL, LONG_PROMPTS), (STARVED_DECODE, LONG_ANSWERS)):
+        d = decide(NOW, cfg(mode="static"), PlannerState(), loads, traffic, COST)
+        assert d.kind == "hold" and d.reason == "planner is static"
+
+
+# ---------------------------------------------------------------- safety
+
+
+def test_no_move_inside_the_cooldown_then_moves():
+    c, state = cfg(cooldown_s=30.0), PlannerState()
+    state.started(NOW - 40, "http://elsewhere", PREFILL)
+    state.finished(NOW - 10, "http://elsewhere", True, c)
+    d = decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert d.kind == "hold" and d.reason.startswith("cooldown"), d.reason
+    assert d.best is not None and (d.best.src, d.best.dst) == (DECODE, PREFILL)  # it knows what it would do
+    assert decide(NOW + 21, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).kind == "move"
+
+
+def test_a_moved_worker_keeps_its_own_cooldown():
+    c, state = cfg(cooldown_s=10.0, worker_cooldown_s=100.0), PlannerState()
+    state.started(NOW - 50, "http://decode0", DECODE)
+    state.finished(NOW - 40, "http://decode0", True, c)
+    d = decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert d.kind == "move" and d.url == "http://decode1"
+    blocked = [x for x in d.candidates if x.url == "http://decode0"]
+    assert blocked and all(not x.legal and "worker cooldown" in x.reason for x in blocked)
+
+
+def test_at_most_the_allowed_moves_in_flight():
+    state = PlannerState()
+    state.started(NOW - 100, "http://other", NULL)
+    c = cfg(cooldown_s=0.0)
+    assert decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).reason == "1 move(s) in flight"
+    d = decide(NOW, cfg(cooldown_s=0.0, max_concurrent_moves=2), state, STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert d.kind == "move"
+
+
+def test_never_below_the_minimum_per_pool():
+    d = decide(NOW, cfg(min_per_pool=2), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert d.kind == "hold" and d.reason == "no legal move"
+    assert all("below --planner-min-per-pool 2" in x.reason for x in d.candidates if x.src == DECODE)
+
+
+def test_never_leaves_pd_unusable():
+    loads = layout(1, 1, 0, prefill={"queued_prefill_tokens": 20000})
+    d = decide(NOW, cfg(min_per_pool=0), PlannerState(), loads, LONG_PROMPTS, COST)
+    assert d.kind == "hold", d.reason
+    pd_breaking = [x for x in d.candidates if x.dst != NULL]
+    assert pd_breaking and all(not x.legal and "no usable path" in x.reason for x in pd_breaking)
+
+
+def test_random_snapshots_respect_minimum_and_usable_path():
+    rng = random.Random(7)
+    for _ in range(300):
+        p, d, n = rng.randint(0, 3), rng.randint(0, 3), rng.randint(0, 3)
+        if not n and not (p and d):
+            continue
+        loads = layout(p, d, n, prefill={"queued_prefill_tokens": rng.randint(0, 20000)},
+                       decode={"running_reqs": rng.randint(0, 120)}, null={"running_reqs": rng.randint(0, 60)})
+        traffic = Traffic(arrival_rate=rng.uniform(0.1, 5), mean_input_tokens=rng.uniform(10, 2000),
+                          mean_output_tokens=rng.uniform(5, 800))
+        minimum = rng.randint(0, 2)
+        dec = decide(NOW, cfg(min_per_pool=minimum, hysteresis=0.0), PlannerState(), loads, traffic, COST)
+        if dec.kind != "move":
+            continue
+        before, after = pool_counts(loads), pool_counts(loads)
+        after[dec.src] -= 1
+        after[dec.dst] += 1
+        if dec.src in (PREFILL, DECODE):
+            assert after[dec.src] >= minimum
+        assert after[NULL] or (after[PREFILL] and after[DECODE]), (before, after)
+
+
+def test_failed_move_backs_off_exponentially_and_is_not_looped():
+    c, state = cfg(cooldown_s=0.0, worker_cooldown_s=0.0, backoff_base_s=30.0, backoff_max_s=100.0), PlannerState()
+    loads = layout(1, 1, 1, prefill={"queued_prefill_tokens": 4000})
+    traffic = Traffic(arrival_rate=1.8, mean_input_tokens=1000, mean_output_tokens=20)
+    first = decide(NOW, c, state, loads, traffic, COST)
+    assert first.kind == "move" and first.url == "http://null0"
+    state.started(NOW, first.url, first.dst)
+    state.finished(NOW + 1, first.url, False, c)
+    held = decide(NOW + 2, c, state, loads, traffic, COST)
+    assert held.kind == "hold" and held.reason == "no legal move"  # the only movable worker is backing off
+    assert all("backoff after 1 failed" in x.reason for x in held.candidates if x.url == "http://null0")
+    assert decide(NOW + 30, c, state, loads, traffic, COST).kind == "hold"
+    retry = decide(NOW + 31.5, c, state, loads, traffic, COST)
+    assert retry.kind == "move" and retry.url == "http://null0"
+    state.started(NOW + 31.5, retry.url, retry.dst)
+    state.finished(NOW + 32, retry.url, False, c)
+    assert decide(NOW + 32 + 59, c, state, loads, traffic, COST).kind == "hold"  # 60 s after the second
+    assert decide(NOW + 32 + 61, c, state, loads, traffic, COST).kind == "move"
+    for k in range(3, 8):  # capped at backoff_max_s
+        state.finished(NOW + 1000 * k, "http://null0", False, c)
+        assert state.workers["http://null0"].retry_at == NOW + 1000 * k + min(100.0, 30.0 * 2 ** (k - 1))
+    state.finished(NOW + 9000, "http://null0", True, c)
+    assert state.workers["http://null0"].failures == 0
+
+
+def test_no_traffic_holds():
+    d = decide(NOW, cfg(), PlannerState(), STARVED_PREFILL, Traffic(), COST)
+    assert d.kind == "hold"
+
+
+# ---------------------------------------------------------------- without a cost model
+
+
+def test_observed_latencies_drive_the_move_without_a_profile():
+    loads = layout(1, 2, 0)
+    slow_ttft = Traffic(arrival_rate=1.0, mean_input_tokens=500, mean_output_tokens=50,
+                        ttft_s={"pd": 9.0}, tpot_s={"pd": 0.02})
+    d = decide(NOW, cfg(), PlannerState(), loads, slow_ttft, cost=None)
+    assert d.kind == "move" and d.src == DECODE and d.dst in (PREFILL, NULL), d.reason  # both halve prefill's load
+    assert d.best.prediction.paths["pd"].ttft_s == pytest.approx(4.5)
+    assert "observed" in d.current.note
+    slow_tpot = Traffic(arrival_rate=1.0, mean_input_tokens=500, mean_output_tokens=50,
+                        ttft_s={"pd": 0.2}, tpot_s={"pd": 0.3})
+    d = decide(NOW, cfg(), PlannerState(), layout(2, 1, 0), slow_tpot, cost=None)
+    assert d.kind == "move" and d.src == PREFILL and d.dst in (DECODE, NULL), d.reason  # both halve decode's load
+    assert d.best.prediction.paths["pd"].tpot_s == pytest.approx(0.15)
+
+
+def test_without_a_profile_or_observations_it_holds():
+    d = decide(NOW, cfg(), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, cost=None)
+    assert d.kind == "hold" and "no --planner-profile" in d.reason
+
+
+# ---------------------------------------------------------------- window and cost model
+
+
+def test_window_rate_lengths_and_latencies():
+    w = TrafficWindow(window_s=10.0, started_at=0.0)
+    for t in range(20):
+        w.arrival(float(t))
+    w.completion(15.0, Observation(path="pd", prompt_tokens=100, completion_tokens=11, ttft_s=0.5, tpot_s=0.05))
+    w.completion(16.0, Observation(path="pd", prompt_tokens=300, completion_tokens=31, ttft_s=1.5, tpot_s=0.15))
+    w.completion(17.0, Observation(path="null", prompt_tokens=200, completion_tokens=21))
+    t = w.traffic(19.5)
+    assert t.arrival_rate == pytest.approx(1.0)  # arrivals at 10..19 over 10 s
+    assert t.mean_input_tokens == pytest.approx(200) and t.mean_output_tokens == pytest.approx(21)
+    assert t.ttft_s == {"pd": pytest.approx(1.0)} and t.tpot_s == {"pd": pytest.approx(0.1)}
+    assert w.traffic(40.0).arrival_rate == 0 and w.traffic(40.0).completed == 0
+
+
+def test_token_counts_from_answers_and_streams():
+    assert body_token_counts(b'{"text":"x","meta_info":{"prompt_tokens":7,"completion_tokens":3}}') == (7, 3)
+    assert body_token_counts(b'{"usage":{"prompt_tokens":5,"completion_tokens":2}}') == (5, 2)
+    assert body_token_counts(b'[{"meta_info":{"prompt_tokens":1,"completion_tokens":2}},'
+                             b'{"meta_info":{"prompt_tokens":3,"completion_tokens":4}}]') == (4, 6)
+    assert body_token_counts(b"not json") == (0, 0)
+    tally = StreamTally(first_at=10.0)
+    for k in range(1, 5):
+        tally.feed(b'data: {"meta_info":{"prompt_tokens":9,"completion_tokens":%d}}\n\n' % k)
+    tally.feed(b"data: [DONE]\n\n")
+    obs = stream_observation("pd", 9.5, tally, 10.3)
+    assert (obs.prompt_tokens, obs.completion_tokens) == (9, 4)
+    assert obs.ttft_s == pytest.approx(0.5) and obs.tpot_s == pytest.approx(0.1)
+    plain = StreamTally(first_at=0.0)
+    plain.feed(b'data: {"choices":[{"delta":{"content":"a"}}]}\n\ndata: {"choices":[{"delta":{"content":"b"}}]}\n\n')
+    assert plain.token_counts() == (0, 2)
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    assert COST.prefill_seconds(500) == pytest.approx(0.5, rel=1e-3)
+    assert COST.prefill_seconds(2000) == pytest.approx(2.0, rel=1e-3)
+    assert COST.decode_step_seconds(1, 0) == pytest.approx(0.02)
+    assert COST.decode_step_seconds(32, 1000) == pytest.approx(0.02 + 0.0005 * 31 + 0.001)
+    assert COST.kv_transfer_seconds(0) >= 0 and COST.switch_seconds(NULL, PREFILL) == 0.0
+    assert COST.max_total_tokens == KV

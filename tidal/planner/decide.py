@@ -1,0 +1,183 @@
+"""The planner's decision: pure, clock injected (`now`), no I/O.
+
+Every interval `decide` looks at each legal single move (any worker to any other mode),
+predicts the layout after it, and picks the one with the lowest score. It moves only when
+that beats the current layout by the hysteresis, and never:
+- inside the global cooldown after a move (started or finished), nor moves a worker again
+  inside its own cooldown;
+- with `max_concurrent_moves` moves already in flight;
+- below `min_per_pool` workers in the prefill or the decode pool (the null pool may empty);
+- to a layout without a usable path: with no null worker, both a prefill and a decode
+  worker must remain;
+- a worker whose last move failed, before its backoff (base * 2^(failures-1), capped) ends.
+
+`PlannerState` is the memory between intervals; the caller reports each move's start and
+end (`started`, `finished`), again with `now`, so that a simulator can drive it in virtual time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+from tidal.planner.predict import CostPredictor, ObservedPredictor, PoolLoad
+from tidal.planner.schema import (
+    DECODE,
+    MODES,
+    NULL,
+    PREFILL,
+    Candidate,
+    Decision,
+    PlannerConfig,
+    Prediction,
+    Traffic,
+    WorkerLoad,
+)
+
+MIN_RELATIVE_GAIN = 0.1  # a move must also lower the score by this fraction of it
+
+
+@dataclasses.dataclass
+class WorkerMemory:
+    last_move_at: Optional[float] = None
+    failures: int = 0  # consecutive failed moves
+    retry_at: float = float("-inf")
+
+
+class PlannerState:
+    def __init__(self) -> None:
+        self.last_move_at: Optional[float] = None  # start or end of the latest move
+        self.in_flight: dict[str, str] = {}  # url -> target mode
+        self.workers: dict[str, WorkerMemory] = {}
+
+    def memory(self, url: str) -> WorkerMemory:
+        return self.workers.setdefault(url, WorkerMemory())
+
+    def started(self, now: float, url: str, dst: str) -> None:
+        self.in_flight[url] = dst
+        self.last_move_at = now
+        self.memory(url).last_move_at = now
+
+    def finished(self, now: float, url: str, ok: bool, cfg: PlannerConfig) -> None:
+        self.in_flight.pop(url, None)
+        self.last_move_at = now
+        m = self.memory(url)
+        m.last_move_at = now
+        if ok:
+            m.failures, m.retry_at = 0, float("-inf")
+        else:
+            m.failures += 1
+            m.retry_at = now + min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (m.failures - 1))
+
+    def cooldown_left(self, now: float, cfg: PlannerConfig) -> float:
+        if self.last_move_at is None:
+            return 0.0
+        return max(0.0, self.last_move_at + cfg.cooldown_s - now)
+
+    def worker_blocked(self, now: float, url: str, cfg: PlannerConfig) -> str:
+        """Why this worker may not move now ("" when it may)."""
+        if url in self.in_flight:
+            return "moving"
+        m = self.workers.get(url)
+        if m is None:
+            return ""
+        if now < m.retry_at:
+            return f"backoff after {m.failures} failed move(s), {m.retry_at - now:.1f} s left"
+        if m.last_move_at is not None and now < m.last_move_at + cfg.per_worker_cooldown_s:
+            return f"worker cooldown, {m.last_move_at + cfg.per_worker_cooldown_s - now:.1f} s left"
+        return ""
+
+    def to_dict(self, now: float, cfg: PlannerConfig) -> dict:
+        return {"cooldown_left_s": round(self.cooldown_left(now, cfg), 3), "in_flight": dict(self.in_flight),
+                "workers": {url: {"blocked": self.worker_blocked(now, url, cfg), "failures": m.failures,
+                                  "last_move_age_s": None if m.last_move_at is None
+                                  else round(now - m.last_move_at, 3)}
+                            for url, m in self.workers.items()}}
+
+
+def pool_counts(loads: list[WorkerLoad]) -> dict[str, int]:
+    counts = {m: 0 for m in MODES}
+    for w in loads:
+        counts[w.mode] += 1
+    return counts
+
+
+def after_move(pools: dict[str, int], src: str, dst: str) -> dict[str, int]:
+    out = dict(pools)
+    out[src] -= 1
+    out[dst] += 1
+    return out
+
+
+def layout_problem(before: dict[str, int], after: dict[str, int], src: str, min_per_pool: int) -> str:
+    """Why the layout `after` (one worker out of `src`) is not allowed ("" when it is)."""
+    if src in (PREFILL, DECODE) and after[src] < min_per_pool:
+        return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
+    if not after[NULL] and not (after[PREFILL] and after[DECODE]):
+        return "no usable path would remain (a prefill and a decode worker, or a null one)"
+    return ""
+
+
+def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> Any:
+    if cost is not None:
+        return CostPredictor(cost, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.interval_s)
+    return ObservedPredictor(current, cfg.ttft_slo_s, cfg.tpot_slo_s)
+
+
+def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
+               predictor: Any, load: PoolLoad, traffic: Traffic) -> list[Candidate]:
+    """Every single move, least-loaded workers first (the fastest to drain win ties)."""
+    pools = pool_counts(loads)
+    predictions: dict[tuple[str, str], Optional[Prediction]] = {}
+    out = []
+    for w in sorted(loads, key=lambda w: (w.running_reqs + w.waiting_reqs, w.url)):
+        blocked = state.worker_blocked(now, w.url, cfg)
+        for dst in MODES:
+            if dst == w.mode:
+                continue
+            layout = after_move(pools, w.mode, dst)
+            reason = blocked or layout_problem(pools, layout, w.mode, cfg.min_per_pool)
+            if (w.mode, dst) not in predictions:
+                predictions[w.mode, dst] = predictor.predict(layout, load, traffic)
+            pred = predictions[w.mode, dst]
+            out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason, prediction=pred))
+    return out
+
+
+def _hold(now: float, reason: str, current: Optional[Prediction] = None,
+          cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None) -> Decision:
+    return Decision(at=now, kind="hold", reason=reason, current=current, candidates=cands or [], best=best)
+
+
+def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad], traffic: Traffic,
+           cost: Any = None) -> Decision:
+    """The decision for this interval. `loads`: the workers in a pool now (healthy, not switching)."""
+    if cfg.mode != "sla":
+        return _hold(now, "planner is static")
+    pools = pool_counts(loads)
+    load = PoolLoad(loads)
+    predictor = make_predictor(cfg, cost, pools)
+    current = predictor.predict(pools, load, traffic)
+    if current is None:
+        return _hold(now, "no observed TTFT/TPOT yet (streamed requests) and no --planner-profile")
+    cands = candidates(now, cfg, state, loads, predictor, load, traffic)
+    legal = [c for c in cands if c.legal and c.prediction is not None]
+    best = min(legal, key=lambda c: c.prediction.score) if legal else None
+    if len(state.in_flight) >= cfg.max_concurrent_moves:
+        return _hold(now, f"{len(state.in_flight)} move(s) in flight", current, cands, best)
+    cooldown = state.cooldown_left(now, cfg)
+    if cooldown > 0:
+        return _hold(now, f"cooldown, {cooldown:.1f} s left", current, cands, best)
+    if traffic.arrival_rate <= 0:
+        return _hold(now, "no arrivals in the window", current, cands, best)
+    if best is None:
+        return _hold(now, "no legal move", current, cands)
+    gain = current.score - best.prediction.score
+    needed = max(cfg.hysteresis, MIN_RELATIVE_GAIN * current.score)
+    if gain < needed:
+        return _hold(now, f"best move {best.src}->{best.dst} lowers the score {current.score:.3f} by "
+                          f"{gain:.3f} < {needed:.3f} (hysteresis)", current, cands, best)
+    return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current,
+                    best=best, candidates=cands,
+                    reason=f"score {current.score:.3f} -> {best.prediction.score:.3f} moving {best.url} "
+                           f"{best.src}->{best.dst}")

@@ -1,0 +1,60 @@
+"""The planner's flags, shared by `tidal router` and `tidal cluster` (which passes them on)."""
+
+from __future__ import annotations
+
+import argparse
+
+from tidal.planner.schema import PlannerConfig
+
+# (flag, namespace attribute) of every planner flag that takes a value, for the pass-through
+VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--tpot-slo-ms", "tpot_slo_ms"),
+               ("--planner-interval-s", "planner_interval_s"), ("--planner-cooldown-s", "planner_cooldown_s"),
+               ("--planner-worker-cooldown-s", "planner_worker_cooldown_s"),
+               ("--planner-min-per-pool", "planner_min_per_pool"),
+               ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
+               ("--planner-window-s", "planner_window_s"), ("--planner-profile", "planner_profile"))
+
+
+def add_planner_args(parser: argparse.ArgumentParser) -> None:
+    d = PlannerConfig()
+    g = parser.add_argument_group("planner (moves workers between the prefill, decode and null pools)")
+    g.add_argument("--planner", choices=("static", "sla"), default=d.mode,
+                   help=f"static: the pools stay as given; sla: move workers toward the TTFT/TPOT SLOs "
+                        f"(default: {d.mode})")
+    g.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_s * 1000,
+                   help=f"time-to-first-token SLO the planner aims for (default: {d.ttft_slo_s * 1000:g})")
+    g.add_argument("--tpot-slo-ms", type=float, default=d.tpot_slo_s * 1000,
+                   help=f"time-per-output-token SLO the planner aims for (default: {d.tpot_slo_s * 1000:g})")
+    g.add_argument("--planner-interval-s", type=float, default=d.interval_s,
+                   help=f"seconds between planner decisions (default: {d.interval_s:g})")
+    g.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
+                   help=f"no move for this long after a move starts or ends (default: {d.cooldown_s:g})")
+    g.add_argument("--planner-worker-cooldown-s", type=float, default=None,
+                   help="a moved worker does not move again for this long (default: 3x --planner-cooldown-s)")
+    g.add_argument("--planner-min-per-pool", type=int, default=d.min_per_pool,
+                   help=f"the prefill and decode pools never shrink below this many workers; the null pool "
+                        f"may empty (default: {d.min_per_pool})")
+    g.add_argument("--planner-max-concurrent-moves", type=int, default=d.max_concurrent_moves,
+                   help=f"moves in flight at once (default: {d.max_concurrent_moves})")
+    g.add_argument("--planner-window-s", type=float, default=d.window_s,
+                   help=f"the sliding window of observed arrivals and latencies, seconds (default: {d.window_s:g})")
+    g.add_argument("--planner-profile", default=None, metavar="PATH",
+                   help="a `tidal profile` JSON: predict with its cost model (default: none; then the planner "
+                        "scales the observed latencies by load)")
+
+
+def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
+    return PlannerConfig(mode=ns.planner, ttft_slo_s=ns.ttft_slo_ms / 1000, tpot_slo_s=ns.tpot_slo_ms / 1000,
+                         interval_s=ns.planner_interval_s, cooldown_s=ns.planner_cooldown_s,
+                         worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
+                         max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s)
+
+
+def planner_argv(ns: argparse.Namespace) -> list[str]:
+    """The planner flags given to `tidal cluster`, for its router's command line."""
+    out = []
+    for flag, attr in VALUE_FLAGS:
+        value = getattr(ns, attr)
+        if value is not None:
+            out += [flag, str(value)]
+    return out

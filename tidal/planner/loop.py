@@ -1,0 +1,183 @@
+"""The planner inside the router: an asyncio task around the pure `decide`.
+
+Every `interval_s` it refreshes each worker's `/get_load`, reads the pools from the
+registry and the traffic from the window, decides, logs the decision, and runs a move
+through the router's drain-switch-verify path (`RoleMover.move_result`) in the background.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from typing import Any, Callable, Optional
+
+import msgspec
+
+from tidal.planner.decide import PlannerState, decide, pool_counts
+from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, WorkerLoad
+from tidal.planner.window import TrafficWindow
+from tidal.router.workers import MODES, Worker, WorkerRegistry
+
+logger = logging.getLogger(__name__)
+
+DECISIONS_KEPT = 50
+
+
+def worker_load(w: Worker) -> WorkerLoad:
+    load = w.load or {}
+    total, waiting = load.get("num_reqs", 0), load.get("num_waiting_reqs", 0)
+    return WorkerLoad(url=w.url, mode=w.mode, running_reqs=max(0, total - waiting), waiting_reqs=waiting,
+                      queued_prefill_tokens=load.get("num_queued_prefill_tokens", 0),
+                      kv_tokens_used=load.get("num_tokens", 0), kv_tokens_total=load.get("max_total_tokens", 0),
+                      in_flight=w.in_flight)
+
+
+def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:
+    """Every worker in a pool now (healthy and not being moved)."""
+    return [worker_load(w) for mode in MODES for w in registry.pool(mode)]
+
+
+def load_cost_model(path: Optional[str]) -> Any:
+    if not path:
+        return None
+    from tidal.profile.cost import CostModel
+
+    return CostModel.from_file(path)
+
+
+def _summary(d: Decision) -> dict:
+    """A decision without its candidate list (kept for the status's history)."""
+    out = msgspec.to_builtins(d)
+    out.pop("candidates", None)
+    return out
+
+
+class PlannerLoop:
+    def __init__(self, cfg: PlannerConfig, st: Any, cost: Any = None, profile_path: Optional[str] = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.cfg = cfg
+        self.st = st  # the router's state: registry, checker, metrics, and a `mover`
+        self.cost = cost
+        self.profile_path = profile_path
+        self.clock = clock
+        self.state = PlannerState()
+        self.window = TrafficWindow(cfg.window_s, clock())
+        self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
+        self.last: Optional[Decision] = None
+        self.last_loads: list[WorkerLoad] = []
+        self._task: Optional[asyncio.Task] = None
+        self._moves: set[asyncio.Task] = set()
+
+    # ------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if self.cfg.mode == "sla" and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._task, *self._moves) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.cfg.interval_s)
+            try:
+                await self.tick()
+            except Exception:  # one bad round never stops the planner
+                logger.exception("planner round failed")
+
+    # ------------------------------------------------------------ one interval
+
+    async def tick(self) -> Decision:
+        registry: WorkerRegistry = self.st.registry
+        await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
+        now = self.clock()
+        self.last_loads = pool_loads(registry)
+        traffic = self.window.traffic(now)
+        d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
+        self.last = d
+        self.decisions.append(d)
+        self._record(d, traffic)
+        if d.kind == "move":
+            self.state.started(now, d.url, d.dst)
+            task = asyncio.get_running_loop().create_task(self._move(d))
+            self._moves.add(task)
+            task.add_done_callback(self._moves.discard)
+        return d
+
+    async def _move(self, d: Decision) -> None:
+        try:
+            status, body = await self.st.mover.move_result(d.url, d.dst)
+        except Exception as e:  # the mover already put the worker back
+            status, body = 0, {"error": {"message": f"{type(e).__name__}: {e}"}}
+        ok = status == 200
+        self.state.finished(self.clock(), d.url, ok, self.cfg)
+        d.outcome = "ok" if ok else f"failed: {(body.get('error') or {}).get('message', status)}"
+        self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
+        log = logger.info if ok else logger.warning
+        log("planner: move %s %s->%s %s", d.url, d.src, d.dst, d.outcome)
+
+    def _record(self, d: Decision, traffic: Any) -> None:
+        m = self.st.metrics
+        m.planner_decisions.labels(d.kind).inc()
+        _set_latency_gauges(m.planner_predicted_ttft, m.planner_predicted_tpot, d.current)
+        _set_observed(m.planner_observed_ttft, m.planner_observed_tpot, traffic)
+        pred = d.current
+        logger.info("planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason,
+                    pool_counts(self.last_loads), traffic.arrival_rate, traffic.mean_input_tokens,
+                    traffic.mean_output_tokens, _brief(pred))
+
+    # ------------------------------------------------------------ status
+
+    def status(self) -> dict:
+        now = self.clock()
+        d = self.last
+        return {
+            "mode": self.cfg.mode,
+            "config": msgspec.to_builtins(self.cfg),
+            "cost_model": self.profile_path if self.cost is not None else None,
+            "prediction": "cost model from --planner-profile" if self.cost is not None
+            else "no --planner-profile: observed TTFT/TPOT scaled by the per-worker load ratio",
+            "pools": {m: [w.url for w in self.st.registry.pool(m)] for m in MODES},
+            "moving": [w.url for w in self.st.registry.all() if w.switching],
+            "loads": msgspec.to_builtins(self.last_loads),
+            "traffic": msgspec.to_builtins(self.window.traffic(now)),
+            "current": msgspec.to_builtins(d.current) if d is not None else None,
+            "candidates": msgspec.to_builtins(d.candidates) if d is not None else [],
+            "decisions": [_summary(x) for x in reversed(self.decisions)],
+            "cooldown": self.state.to_dict(now, self.cfg),
+        }
+
+
+def _brief(pred: Optional[Prediction]) -> str:
+    if pred is None:
+        return "-"
+    paths = ", ".join(f"{k}: TTFT {v.ttft_s * 1000:.0f} ms TPOT {v.tpot_s * 1000:.1f} ms"
+                      for k, v in pred.paths.items())
+    return f"score {pred.score:.3f} ({paths})"
+
+
+def _set_latency_gauges(ttft: Any, tpot: Any, pred: Optional[Prediction]) -> None:
+    ttft.clear()
+    tpot.clear()
+    if pred is None:
+        return
+    for path, p in pred.paths.items():
+        ttft.labels("prefill" if path == PD_PATH else "null").set(p.ttft_s)
+        tpot.labels("decode" if path == PD_PATH else "null").set(p.tpot_s)
+
+
+def _set_observed(ttft: Any, tpot: Any, traffic: Any) -> None:
+    ttft.clear()
+    tpot.clear()
+    for path, pool in ((PD_PATH, "prefill"), (NULL_PATH, "null")):
+        if path in traffic.ttft_s:
+            ttft.labels(pool).set(traffic.ttft_s[path])
+    for path, pool in ((PD_PATH, "decode"), (NULL_PATH, "null")):
+        if path in traffic.tpot_s:
+            tpot.labels(pool).set(traffic.tpot_s[path])

@@ -1,0 +1,206 @@
+"""Next-interval TTFT and TPOT for a pool layout.
+
+A layout is the number of workers per mode (P prefill, D decode, N null). The router
+sends a request down the PD path (a prefill+decode pair) or the whole path (one null
+worker; a decode worker when there is no prefill worker and no null one). Its
+join-the-shorter-queue rule keeps about as many requests on each decode worker as on
+each null worker, so the arrivals split D : N between the two paths.
+
+With a cost model (a profile; lambda = arrival rate, I and O = mean input and output
+tokens over the window, T = the planner interval):
+
+- prefill worker (PD path): a queue. Each takes lambda_w = lambda * share / P requests per
+  second of p = prefill_seconds(I) each; utilisation rho = lambda_w * p. TTFT = backlog +
+  wait(rho) + p + kv_transfer_seconds(I), where backlog = the pool's queued prefill tokens
+  (from /get_load) / P at I/p tokens per second, and wait = rho*p / (2(1-rho)) (M/D/1),
+  capped at T, and T*rho once rho >= 1 (the queue grows through the interval).
+- decode worker (PD path): TPOT = decode_step_seconds(B, B*(I + O/2)) at the batch B that
+  Little's law gives, B = lambda_w * O * TPOT (solved by iteration), at least the pool's
+  running requests / D now, at most the KV capacity max_total_tokens / (I + O). At that
+  cap the pool is saturated and the excess waits for a slot: TTFT += T * (lambda_w/mu - 1)
+  with mu = B_max / (O * TPOT) requests per second.
+- null worker: both at once. Prefill runs first and stalls decode, so its TPOT is the
+  decode step divided by (1 - rho_prefill), and its TTFT is the prefill queue above
+  (plus one decode step, the batch it waits behind), with the same KV cap.
+
+A path's score is max(TTFT / TTFT SLO, TPOT / TPOT SLO); a layout's is its worst path's
+(below 1: both SLOs met). Without a cost model the observed latencies of each path are
+scaled by the change of the per-worker arrival rate (TTFT by the prefill side's, TPOT by
+the decode side's; linear, which overstates small changes near idle and understates
+queueing near saturation); a path with no observation borrows the other's.
+
+Not modelled: prefix-cache hits (I counts whole prompts), chunked prefill's interleaving
+on PD prefill workers, TP pairing, the capacity lost while a worker drains and switches.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from tidal.planner.schema import (
+    DECODE,
+    NULL,
+    NULL_PATH,
+    PD_PATH,
+    PREFILL,
+    PathPrediction,
+    Prediction,
+    Traffic,
+    WorkerLoad,
+)
+
+UNSERVABLE = 1e9  # score of a layout that serves nothing
+MAX_STALL = 0.95  # a null worker never spends more than this fraction prefilling, in the model
+FIXED_POINT_ITERATIONS = 30
+
+
+class PoolLoad:
+    """The sums over each mode's workers that the prediction needs (from the snapshots)."""
+
+    def __init__(self, loads: list[WorkerLoad]) -> None:
+        self.count = {m: 0 for m in (PREFILL, DECODE, NULL)}
+        self.queued_prefill_tokens = dict.fromkeys(self.count, 0)
+        self.running = dict.fromkeys(self.count, 0)
+        self.kv_tokens_total = 0
+        for w in loads:
+            self.count[w.mode] += 1
+            self.queued_prefill_tokens[w.mode] += w.queued_prefill_tokens
+            self.running[w.mode] += w.running_reqs
+            self.kv_tokens_total = max(self.kv_tokens_total, w.kv_tokens_total)
+
+
+def path_shares(pools: dict[str, int]) -> dict[str, float]:
+    """How the router's dispatcher splits arrivals between the PD and the whole path."""
+    p, d, n = pools[PREFILL], pools[DECODE], pools[NULL]
+    if p and d:
+        return {PD_PATH: d / (d + n), NULL_PATH: n / (d + n)} if n else {PD_PATH: 1.0}
+    if n or (d and not p):
+        return {NULL_PATH: 1.0}
+    return {}
+
+
+def whole_workers(pools: dict[str, int]) -> tuple[str, int]:
+    """The mode and number of workers that take whole requests."""
+    if pools[NULL]:
+        return NULL, pools[NULL]
+    return DECODE, pools[DECODE] if not pools[PREFILL] else 0
+
+
+def path_score(ttft_s: float, tpot_s: float, ttft_slo_s: float, tpot_slo_s: float) -> float:
+    return max(ttft_s / ttft_slo_s, tpot_s / tpot_slo_s)
+
+
+def queue_wait(rho: float, service_s: float, interval_s: float) -> float:
+    if rho >= 1.0:
+        return interval_s * rho
+    return min(rho * service_s / (2 * (1 - rho)), interval_s)
+
+
+class CostPredictor:
+    """The queueing model of the module docstring, on a cost model (duck-typed:
+    prefill_seconds, decode_step_seconds, kv_transfer_seconds, max_total_tokens)."""
+
+    def __init__(self, cost: Any, ttft_slo_s: float, tpot_slo_s: float, interval_s: float) -> None:
+        self.cost = cost
+        self.ttft_slo_s, self.tpot_slo_s, self.interval_s = ttft_slo_s, tpot_slo_s, interval_s
+
+    def predict(self, pools: dict[str, int], load: PoolLoad, traffic: Traffic) -> Prediction:
+        shares = path_shares(pools)
+        if not shares:
+            return Prediction(pools=dict(pools), paths={}, score=UNSERVABLE, note="no path serves requests")
+        inp = max(traffic.mean_input_tokens, 1.0)
+        out = max(traffic.mean_output_tokens, 1.0)
+        paths = {}
+        for path, share in shares.items():
+            lam = traffic.arrival_rate * share
+            ttft, tpot = (self._pd(pools, load, lam, inp, out) if path == PD_PATH
+                          else self._whole(pools, load, lam, inp, out))
+            paths[path] = PathPrediction(share=share, ttft_s=ttft, tpot_s=tpot,
+                                         score=path_score(ttft, tpot, self.ttft_slo_s, self.tpot_slo_s))
+        return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),
+                          note="cost model")
+
+    def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float) -> tuple[float, float]:
+        """(TTFT without transfer or decode, utilisation) of one worker's prefill queue."""
+        p = self.cost.prefill_seconds(int(inp))
+        rho = lam_w * p
+        backlog_s = backlog_tokens * p / inp
+        return backlog_s + queue_wait(rho, p, self.interval_s) + p, rho
+
+    def _batch_cap(self, inp: float, out: float, load: PoolLoad) -> float:
+        capacity = getattr(self.cost, "max_total_tokens", 0) or load.kv_tokens_total
+        return max(1.0, capacity / (inp + out)) if capacity else float("inf")
+
+    def _decode(self, lam_w: float, floor_batch: float, inp: float, out: float, load: PoolLoad,
+                stall: float) -> tuple[float, float]:
+        """(TPOT, extra TTFT from a saturated KV) of one decoding worker; stall: the fraction
+        of its time spent prefilling."""
+        ctx = inp + out / 2
+        cap = self._batch_cap(inp, out, load)
+        slow = 1.0 / (1.0 - min(stall, MAX_STALL))
+        tpot = self.cost.decode_step_seconds(1, int(ctx)) * slow
+        batch = 1.0
+        for _ in range(FIXED_POINT_ITERATIONS):
+            batch = min(cap, max(1.0, floor_batch, lam_w * out * tpot))
+            tpot = self.cost.decode_step_seconds(max(1, round(batch)), int(batch * ctx)) * slow
+        extra_ttft = 0.0
+        if batch >= cap and tpot > 0:
+            mu = cap / (out * tpot)
+            extra_ttft = self.interval_s * max(0.0, lam_w / mu - 1.0)
+        return tpot, extra_ttft
+
+    def _pd(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
+        n_p, n_d = pools[PREFILL], pools[DECODE]
+        prefill_ttft, _ = self._prefill_queue(lam / n_p, load.queued_prefill_tokens[PREFILL] / n_p, inp)
+        tpot, extra = self._decode(lam / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0)
+        return prefill_ttft + self.cost.kv_transfer_seconds(int(inp)) + extra, tpot
+
+    def _whole(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
+        mode, n = whole_workers(pools)
+        lam_w = lam / n
+        prefill_ttft, rho = self._prefill_queue(lam_w, load.queued_prefill_tokens[mode] / n, inp)
+        tpot, extra = self._decode(lam_w, load.running[mode] / n, inp, out, load, rho)
+        return prefill_ttft + tpot + extra, tpot
+
+
+class ObservedPredictor:
+    """No cost model: each path's observed TTFT/TPOT scaled by its per-worker load change."""
+
+    def __init__(self, current: dict[str, int], ttft_slo_s: float, tpot_slo_s: float) -> None:
+        self.current = dict(current)
+        self.ttft_slo_s, self.tpot_slo_s = ttft_slo_s, tpot_slo_s
+
+    @staticmethod
+    def _per_worker(pools: dict[str, int], path: str) -> tuple[float, float]:
+        """Arrival share per worker on the path's prefill side and decode side."""
+        share = path_shares(pools).get(path, 0.0)
+        if path == PD_PATH:
+            return (share / pools[PREFILL], share / pools[DECODE]) if share else (0.0, 0.0)
+        _, n = whole_workers(pools)
+        return (share / n, share / n) if share else (0.0, 0.0)
+
+    def _reference(self, path: str, traffic: Traffic) -> Optional[tuple[float, float, float, float]]:
+        """(TTFT, TPOT, prefill-side load, decode-side load) observed now, own path first."""
+        for ref in (path, NULL_PATH if path == PD_PATH else PD_PATH):
+            if ref in traffic.ttft_s and ref in traffic.tpot_s:
+                x_p, x_d = self._per_worker(self.current, ref)
+                if x_p and x_d:
+                    return traffic.ttft_s[ref], traffic.tpot_s[ref], x_p, x_d
+        return None
+
+    def predict(self, pools: dict[str, int], load: PoolLoad, traffic: Traffic) -> Optional[Prediction]:
+        shares = path_shares(pools)
+        if not shares:
+            return Prediction(pools=dict(pools), paths={}, score=UNSERVABLE, note="no path serves requests")
+        paths = {}
+        for path, share in shares.items():
+            ref = self._reference(path, traffic)
+            if ref is None:
+                return None
+            ttft0, tpot0, x_p0, x_d0 = ref
+            x_p, x_d = self._per_worker(pools, path)
+            ttft, tpot = ttft0 * x_p / x_p0, tpot0 * x_d / x_d0
+            paths[path] = PathPrediction(share=share, ttft_s=ttft, tpot_s=tpot,
+                                         score=path_score(ttft, tpot, self.ttft_slo_s, self.tpot_slo_s))
+        return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),
+                          note="observed latencies scaled by load (no --planner-profile)")

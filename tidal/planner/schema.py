@@ -1,0 +1,104 @@
+"""The planner's data: what it reads, what it predicts, what it decides."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import msgspec
+
+PREFILL, DECODE, NULL = "prefill", "decode", "null"
+MODES = (NULL, PREFILL, DECODE)
+PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
+
+
+class WorkerLoad(msgspec.Struct, kw_only=True):
+    """One worker as the router last saw it (its `/get_load`, summed over DP ranks)."""
+    url: str
+    mode: str
+    running_reqs: int = 0
+    waiting_reqs: int = 0
+    queued_prefill_tokens: int = 0
+    kv_tokens_used: int = 0
+    kv_tokens_total: int = 0
+    in_flight: int = 0  # requests this router has open on it
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_tokens_used / self.kv_tokens_total if self.kv_tokens_total else 0.0
+
+
+class Traffic(msgspec.Struct, kw_only=True):
+    """What the router observed over the planner's window."""
+    arrival_rate: float = 0.0  # requests per second
+    mean_input_tokens: float = 0.0
+    mean_output_tokens: float = 0.0
+    completed: int = 0
+    # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
+    ttft_s: dict[str, float] = {}
+    tpot_s: dict[str, float] = {}
+
+
+class PathPrediction(msgspec.Struct, kw_only=True):
+    share: float  # of the arrivals
+    ttft_s: float
+    tpot_s: float
+    score: float  # max(ttft / ttft_slo, tpot / tpot_slo)
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    pools: dict[str, int]  # mode -> number of workers
+    paths: dict[str, PathPrediction]
+    score: float  # the worst path's score; below 1: every SLO met; lower is better
+    note: str = ""
+
+
+class Candidate(msgspec.Struct, kw_only=True):
+    url: str
+    src: str
+    dst: str
+    legal: bool
+    reason: str = ""  # why it is not legal
+    prediction: Optional[Prediction] = None
+
+
+class Decision(msgspec.Struct, kw_only=True):
+    at: float  # the planner clock (seconds)
+    kind: str  # "move" or "hold"
+    reason: str
+    url: str = ""
+    src: str = ""
+    dst: str = ""
+    current: Optional[Prediction] = None
+    best: Optional[Candidate] = None
+    candidates: list[Candidate] = []
+    outcome: str = ""  # for moves, once done: "ok" or "failed: ..."
+
+
+class PlannerConfig(msgspec.Struct, kw_only=True):
+    mode: str = "static"  # "static": never moves; "sla": moves toward the SLOs
+    ttft_slo_s: float = 2.0
+    tpot_slo_s: float = 0.1
+    interval_s: float = 5.0
+    cooldown_s: float = 30.0  # after any move, before the next one
+    worker_cooldown_s: Optional[float] = None  # after a worker's move, before it moves again (None: 3x cooldown)
+    min_per_pool: int = 1  # prefill and decode pools never shrink below this (null may empty)
+    max_concurrent_moves: int = 1
+    hysteresis: float = 0.1  # a move must lower the score by this much (absolute) and by 10% of it
+    window_s: float = 30.0
+    backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
+    backoff_max_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("static", "sla"):
+            raise ValueError(f"--planner must be static or sla, got {self.mode!r}")
+        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
+            raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
+        if self.interval_s <= 0 or self.window_s <= 0:
+            raise ValueError("--planner-interval-s and --planner-window-s must be positive")
+        if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
+            raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
+                             "--planner-max-concurrent-moves >= 1")
+
+    @property
+    def per_worker_cooldown_s(self) -> float:
+        return 3 * self.cooldown_s if self.worker_cooldown_s is None else self.worker_cooldown_s
