@@ -5,7 +5,8 @@ asked), "decode" and "null" answer with text/output_ids/meta_info. Every generat
 request is recorded. Knobs (set them from the test thread): `fail_next` (answer the
 next N generation requests with `fail_status`), `reject` (answer 400), `hang_s`
 (sleep before answering), `healthy` (/health status), `load` (/get_load),
-`chunk_delay_s` and `num_chunks` (streaming).
+`chunk_delay_s` and `num_chunks` (streaming), `fail_switch` (answer role switches with 500;
+otherwise a switch changes `role` and bumps `epoch`, counted in `switches`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,9 @@ class MockWorker:
         self.cancelled = 0  # streams the client (the router) walked away from
         self.health_checks = 0
         self.flushes = 0
+        self.epoch = 0
+        self.switches = 0  # role switch requests, failed ones included
+        self.fail_switch = False
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -216,7 +220,17 @@ class MockWorker:
 
         @app.get("/server_info")
         async def server_info() -> Response:
-            return JSONResponse({"disaggregation_mode": self.role, "epoch": 0, "name": self.name})
+            return JSONResponse({"disaggregation_mode": self.role, "epoch": self.epoch, "name": self.name})
+
+        @app.post("/admin/switch_disaggregation_mode")
+        async def switch(request: Request) -> Response:
+            self.switches += 1
+            mode = json.loads(await request.body())["mode"]
+            if self.fail_switch:
+                return JSONResponse({"status": "error", "message": f"{self.name} refuses to switch",
+                                     "current_mode": self.role, "epoch": self.epoch}, status_code=500)
+            self.role, self.epoch = mode, self.epoch + 1
+            return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch, "timings_ms": {}})
 
         @app.get("/v1/models")
         async def models() -> Response:

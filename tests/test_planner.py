@@ -251,3 +251,52 @@ def test_cost_model_interpolates_and_extrapolates():
     assert COST.decode_step_seconds(32, 1000) == pytest.approx(0.02 + 0.0005 * 31 + 0.001)
     assert COST.kv_transfer_seconds(0) >= 0 and COST.switch_seconds(NULL, PREFILL) == 0.0
     assert COST.max_total_tokens == KV
+
+
+def test_no_move_before_a_request_finished():
+    d = decide(NOW, cfg(), PlannerState(), STARVED_PREFILL, Traffic(arrival_rate=2.0), COST)
+    assert d.kind == "hold" and "lengths unknown" in d.reason
+
+
+# ---------------------------------------------------------------- flags
+
+
+def test_router_flags_build_the_planner_config():
+    import argparse
+
+    from tidal.router.cli import add_router_args, router_config_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    cfg_ = router_config_from_namespace(parser.parse_args([
+        "--planner", "sla", "--ttft-slo-ms", "500", "--tpot-slo-ms", "40", "--planner-interval-s", "2",
+        "--planner-cooldown-s", "10", "--planner-min-per-pool", "2", "--planner-max-concurrent-moves", "2",
+        "--planner-profile", "/p.json"]))
+    p = cfg_.planner
+    assert (p.mode, p.ttft_slo_s, p.tpot_slo_s, p.interval_s, p.cooldown_s) == ("sla", 0.5, 0.04, 2.0, 10.0)
+    assert (p.min_per_pool, p.max_concurrent_moves, p.per_worker_cooldown_s) == (2, 2, 30.0)
+    assert cfg_.planner_profile == "/p.json"
+    assert router_config_from_namespace(parser.parse_args([])).planner.mode == "static"
+    with pytest.raises(ValueError):
+        router_config_from_namespace(parser.parse_args(["--planner-max-concurrent-moves", "0"]))
+
+
+def test_cluster_passes_planner_flags_to_its_router_and_lets_servers_switch():
+    import argparse
+
+    from tidal.cluster import _router_cmd, _server_cmd, add_cluster_args, plan_servers
+
+    parser = argparse.ArgumentParser()
+    add_cluster_args(parser)
+    ns = parser.parse_args(["--prefill", "1", "--decode", "1", "--worker", "1", "--planner", "sla",
+                            "--ttft-slo-ms", "800", "--planner-interval-s", "3"])
+    plan = plan_servers(ns)
+    cmd = _router_cmd(ns, plan)
+    assert cmd[cmd.index("--planner") + 1] == "sla" and cmd[cmd.index("--ttft-slo-ms") + 1] == "800.0"
+    assert cmd[cmd.index("--planner-interval-s") + 1] == "3.0"
+    ports = [bport for _, _, _, bport in plan]
+    assert None not in ports and len(set(ports)) == 3  # any server may become a prefill server
+    assert all("--enable-dynamic-disaggregation" in _server_cmd(ns, m, port, b, 1, 3) for _, m, port, b in plan)
+    static = parser.parse_args(["--prefill", "1", "--decode", "1"])
+    assert "--enable-dynamic-disaggregation" not in _server_cmd(static, "decode", 1, None, 1, 2)
+    assert [b for _, _, _, b in plan_servers(static)] == [8998, None]

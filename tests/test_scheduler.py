@@ -246,3 +246,14 @@ def test_random_workload_integrity():
         toks, fin = res[rid]
         if fin.finish_reason.type != "abort":
             assert toks == ref, rid
+
+
+def test_stats_count_the_prompt_tokens_still_to_prefill():
+    sched = make_sched(chunked_prefill_size=8)
+    submit(sched, "long", list(range(1, 60)), 2)
+    submit(sched, "short", [3, 4, 5], 2)
+    assert sched.make_stats(0).queued_prefill_tokens == 59 + 3
+    sched.step()  # the first 8-token chunk of "long"
+    assert sched.make_stats(0).queued_prefill_tokens == 59 + 3 - 8
+    run_to_end(sched)
+    assert sched.make_stats(0).queued_prefill_tokens == 0

@@ -170,6 +170,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, f"cooldown, {cooldown:.1f} s left", current, cands, best)
     if traffic.arrival_rate <= 0:
         return _hold(now, "no arrivals in the window", current, cands, best)
+    if cost is not None and traffic.mean_input_tokens <= 0:
+        return _hold(now, "no request finished in the window yet: lengths unknown", current, cands, best)
     if best is None:
         return _hold(now, "no legal move", current, cands)
     gain = current.score - best.prediction.score

@@ -1,0 +1,99 @@
+"""The planner's loop inside a real router (uvicorn, in-process) over mock workers
+(tests/mock_worker.py, real HTTP servers that can switch roles): it moves a worker toward
+the starved pool through the drain-switch-verify path, reports it on /planner/status and
+/metrics, and does not loop on a worker whose switch fails."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import httpx
+import pytest
+
+from mock_worker import MockWorker
+from test_planner import PROFILE
+from test_router import RouterServer, wait_for
+from tidal.planner.schema import PlannerConfig
+
+pytestmark = pytest.mark.timeout(60)
+
+STARVED = {"num_reqs": 6, "num_waiting_reqs": 5, "num_tokens": 100, "num_queued_prefill_tokens": 50000,
+           "max_total_tokens": 65536}
+
+
+@pytest.fixture
+def workers():
+    ws = {"p1": MockWorker("prefill", "p1"), "d1": MockWorker("decode", "d1"), "d2": MockWorker("decode", "d2")}
+    try:
+        yield {name: w.start() for name, w in ws.items()}
+    finally:
+        for w in ws.values():
+            w.stop()
+
+
+def router(ws: dict, tmp_path, **planner) -> RouterServer:
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    cfg = PlannerConfig(**{"mode": "sla", "ttft_slo_s": 3.0, "tpot_slo_s": 0.1, "interval_s": 0.2,
+                           "cooldown_s": 0.3, "worker_cooldown_s": 0.3, **planner})
+    return RouterServer(prefill=[(ws["p1"].url, 8998)], decode=[ws["d1"].url, ws["d2"].url], planner=cfg,
+                        planner_profile=str(profile))
+
+
+def send_traffic(r: RouterServer, n: int = 6) -> None:
+    for i in range(n):
+        body = {"text": f"hello {i}", "sampling_params": {"max_new_tokens": 3}, "stream": i % 2 == 0}
+        assert httpx.post(r.url + "/generate", json=body, timeout=10).status_code == 200
+
+
+def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_path):
+    workers["p1"].load = dict(STARVED)
+    with router(workers, tmp_path) as r:
+        send_traffic(r)
+        wait_for(lambda: len(r.state.registry.pool("prefill")) == 2, 10, "a worker moved to prefill")
+        moved = [w for w in (workers["d1"], workers["d2"]) if w.role == "prefill"]
+        assert len(moved) == 1 and moved[0].epoch == 1
+        send_traffic(r, 2)  # still served, now by the new layout
+        time.sleep(1.0)  # a few more intervals: the decode pool is at its minimum, nothing else moves
+        status = httpx.get(r.url + "/planner/status").json()
+        metrics = httpx.get(r.url + "/metrics").text
+    assert sum(w.switches for w in workers.values()) == 1
+    assert status["mode"] == "sla" and status["cost_model"].endswith("profile.json")
+    assert sorted(status["pools"]["prefill"]) == sorted([workers["p1"].url, moved[0].url])
+    moves = [d for d in status["decisions"] if d["kind"] == "move"]
+    assert len(moves) == 1 and moves[0]["outcome"] == "ok" and moves[0]["dst"] == "prefill"
+    assert moves[0]["current"]["paths"]["pd"]["ttft_s"] > 3.0
+    assert status["decisions"][0]["kind"] == "hold" and status["traffic"]["arrival_rate"] > 0
+    assert status["current"]["pools"] == {"null": 0, "prefill": 2, "decode": 1}
+    assert 'tidal_router:planner_moves_total{from="decode",outcome="ok",to="prefill"} 1.0' in metrics
+    assert 'tidal_router:planner_predicted_ttft_seconds{pool="prefill"}' in metrics
+    assert 'tidal_router:planner_decisions_total{kind="hold"}' in metrics
+
+
+def test_failed_switch_leaves_the_worker_and_is_not_retried_within_its_backoff(workers, tmp_path):
+    workers["p1"].load = dict(STARVED)
+    for w in (workers["d1"], workers["d2"]):
+        w.fail_switch = True
+    with router(workers, tmp_path, backoff_base_s=60.0) as r:
+        send_traffic(r)
+        wait_for(lambda: workers["d1"].switches + workers["d2"].switches >= 2, 10, "both decode workers tried")
+        time.sleep(1.5)  # many intervals and cooldowns later
+        status = httpx.get(r.url + "/planner/status").json()
+        assert [w.switches for w in (workers["d1"], workers["d2"])] == [1, 1]
+        assert len(r.state.registry.pool("decode")) == 2 and len(r.state.registry.pool("prefill")) == 1
+        send_traffic(r, 2)
+    moves = [d for d in status["decisions"] if d["kind"] == "move"]
+    assert len(moves) == 2 and all(m["outcome"].startswith("failed") for m in moves)
+    assert status["decisions"][0]["reason"] == "no legal move"
+    assert all(v["failures"] == 1 and v["blocked"].startswith("backoff") for v in status["cooldown"]["workers"].values())
+
+
+def test_static_planner_serves_status_and_never_moves(workers, tmp_path):
+    workers["p1"].load = dict(STARVED)
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
+        send_traffic(r)
+        status = httpx.get(r.url + "/planner/status").json()
+    assert status["mode"] == "static" and status["decisions"] == []
+    assert status["traffic"]["arrival_rate"] > 0 and status["traffic"]["mean_output_tokens"] == 3
+    assert sum(w.switches for w in workers.values()) == 0
