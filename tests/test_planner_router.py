@@ -86,7 +86,8 @@ def test_failed_switch_leaves_the_worker_and_is_not_retried_within_its_backoff(w
     moves = [d for d in status["decisions"] if d["kind"] == "move"]
     assert len(moves) == 2 and all(m["outcome"].startswith("failed") for m in moves)
     assert status["decisions"][0]["reason"] == "no legal move"
-    assert all(v["failures"] == 1 and v["blocked"].startswith("backoff") for v in status["cooldown"]["workers"].values())
+    memory = status["cooldown"]["workers"].values()
+    assert all(v["failures"] == 1 and v["blocked"].startswith("backoff") for v in memory)
 
 
 def test_static_planner_serves_status_and_never_moves(workers, tmp_path):

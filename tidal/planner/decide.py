@@ -109,7 +109,7 @@ def after_move(pools: dict[str, int], src: str, dst: str) -> dict[str, int]:
     return out
 
 
-def layout_problem(before: dict[str, int], after: dict[str, int], src: str, min_per_pool: int) -> str:
+def layout_problem(after: dict[str, int], src: str, min_per_pool: int) -> str:
     """Why the layout `after` (one worker out of `src`) is not allowed ("" when it is)."""
     if src in (PREFILL, DECODE) and after[src] < min_per_pool:
         return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
@@ -136,7 +136,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
             if dst == w.mode:
                 continue
             layout = after_move(pools, w.mode, dst)
-            reason = blocked or layout_problem(pools, layout, w.mode, cfg.min_per_pool)
+            reason = blocked or layout_problem(layout, w.mode, cfg.min_per_pool)
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = predictor.predict(layout, load, traffic)
             pred = predictions[w.mode, dst]
