@@ -29,6 +29,9 @@ scaled by the change of the per-worker arrival rate (TTFT by the prefill side's,
 the decode side's; linear, which overstates small changes near idle and understates
 queueing near saturation); a path with no observation borrows the other's.
 
+A moved worker's queued prefill tokens and running requests count as spread over its old
+pool's remaining workers (pessimistic: it drains them itself before it switches).
+
 Not modelled: prefix-cache hits (I counts whole prompts), chunked prefill's interleaving
 on PD prefill workers, TP pairing, the capacity lost while a worker drains and switches.
 """
