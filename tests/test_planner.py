@@ -300,3 +300,17 @@ def test_cluster_passes_planner_flags_to_its_router_and_lets_servers_switch():
     static = parser.parse_args(["--prefill", "1", "--decode", "1"])
     assert "--enable-dynamic-disaggregation" not in _server_cmd(static, "decode", 1, None, 1, 2)
     assert [b for _, _, _, b in plan_servers(static)] == [8998, None]
+
+
+def test_router_refuses_an_unreadable_profile(tmp_path, capsys):
+    import argparse
+
+    from tidal.router.cli import add_router_args, run_router
+
+    parser = argparse.ArgumentParser()
+    add_router_args(parser)
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"version": 1, "prefill": "not a list"}')
+    for path in (str(tmp_path / "missing.json"), str(bad)):
+        assert run_router(parser.parse_args(["--planner", "sla", "--planner-profile", path])) == 2
+        assert "--planner-profile" in capsys.readouterr().err
