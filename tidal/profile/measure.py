@@ -1,0 +1,389 @@
+"""The measurement of one live tidal server over HTTP (`tidal profile`).
+
+- prefill: one request of N random token ids (unique per request, so the prefix cache
+  cannot serve any of it) with max_new_tokens=1; its time is the server's own
+  `meta_info.e2e_latency` (arrival in the API process to the first token), else the
+  client's wall time. One warm-up per size, then the median of the repeats.
+- decode: B concurrent streamed requests of L-token prompts with ignore_eos. The server
+  exposes no per-step timing (scheduler/step_timing.py logs only at DEBUG, /metrics has a
+  bucketed inter-token histogram), so the step time is the median client-side inter-token
+  interval in the steady state: after every request got its first token and before the first
+  one finished. context_tokens is B times the mean KV length over those intervals.
+- switch (opt-in, it changes the server's mode): every direction between null, prefill and
+  decode once, timed by the server's reply (`timings_ms.switch`); the idle drain cost is the
+  client round trip of those drained switch requests minus the switch itself. The original
+  mode is restored at the end, whatever happened.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from typing import Any, Callable, Optional
+
+import httpx
+
+from tidal.config import bearer_headers
+from tidal.profile.schema import (
+    VERSION,
+    DecodePoint,
+    Drain,
+    PrefillPoint,
+    Profile,
+    ServerInfo,
+    SwitchPoint,
+)
+
+SWITCH_WALK = ("prefill", "decode", "null", "decode", "prefill", "null")  # every direction once, from null
+LOWEST_PROMPT_ID = 1000  # random prompts stay clear of special and byte tokens
+
+
+class ProfileError(Exception):
+    """A measurement that cannot go on; the message says why, for the command line."""
+
+
+@dataclass
+class Options:
+    url: str
+    prefill_tokens: list[int]
+    decode_batches: list[int]
+    decode_contexts: list[int]
+    decode_tokens: int = 32
+    repeats: int = 3
+    timeout_s: float = 120.0
+    measure_switch: bool = False
+    api_key: Optional[str] = None
+    admin_api_key: Optional[str] = None
+    log: Callable[[str], None] = print
+    notes: list[str] = field(default_factory=list)
+
+
+# ------------------------------------------------------------------ HTTP
+
+
+def _server_message(r: httpx.Response) -> str:
+    try:
+        body = r.json()
+    except ValueError:
+        return r.text[:300]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if body.get("message"):
+            return str(body["message"])
+    return r.text[:300]
+
+
+class Http:
+    """One server's HTTP API; every failure becomes a ProfileError naming the call."""
+
+    def __init__(self, url: str, timeout_s: float, api_key: Optional[str], admin_api_key: Optional[str]):
+        self.url, self.timeout_s = url.rstrip("/"), timeout_s
+        self.headers = bearer_headers(api_key)
+        self.admin_headers = bearer_headers(admin_api_key or api_key)
+        self.client = httpx.Client(base_url=self.url, timeout=timeout_s)
+
+    def close(self) -> None:
+        self.client.close()
+
+    def call(self, method: str, path: str, body: Any = None, admin: bool = False) -> Any:
+        headers = self.admin_headers if admin else self.headers
+        try:
+            r = self.client.request(method, path, json=body, headers=headers)
+        except httpx.HTTPError as e:
+            raise ProfileError(self.explain(method, path, e)) from None
+        if r.status_code != 200:
+            raise ProfileError(f"{method} {self.url}{path}: HTTP {r.status_code}: {_server_message(r)}")
+        try:
+            return r.json()
+        except ValueError:
+            raise ProfileError(f"{method} {self.url}{path}: the answer is not JSON: {r.text[:200]!r}") from None
+
+    def explain(self, method: str, path: str, e: Exception) -> str:
+        if isinstance(e, httpx.TimeoutException):
+            return f"{method} {self.url}{path}: no answer within {self.timeout_s:g}s (--timeout-s)"
+        if isinstance(e, httpx.ConnectError):
+            return f"cannot connect to {self.url}: {e}; is the server running?"
+        return f"{method} {self.url}{path} failed: {type(e).__name__}: {e}"
+
+
+# ------------------------------------------------------------------ the server
+
+
+@dataclass
+class ServerFacts:
+    info: ServerInfo
+    mode: str
+    switchable: bool
+    vocab_size: int
+    context_length: int
+    max_input_tokens: int
+    max_running_requests: int
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
+    """This host's CPU feature flags (the first processor's), sorted; [] where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return sorted(set(value.split()))
+    except OSError:
+        pass
+    return []
+
+
+def read_server(http: Http) -> ServerFacts:
+    info = http.call("GET", "/server_info")
+    sched = info.get("scheduler_info") if isinstance(info, dict) else None
+    if not sched:
+        raise ProfileError(f"{http.url}/server_info has no scheduler_info: not a tidal server, or not ready yet")
+    model = info.get("served_model_name") or http.call("GET", "/get_model_info").get("served_model_name", "")
+    server = ServerInfo(
+        url=http.url, model=str(model), quantization=str(sched.get("quantization", "none")),
+        dtype=str(sched["dtype"]), torch_threads=int(sched.get("torch_threads") or 0), cpu_flags=cpu_flags(),
+        page_size=int(sched["page_size"]), max_total_tokens=int(sched["max_total_tokens"]),
+        transfer_backend=str(info.get("disaggregation_transfer_backend", "")))
+    return ServerFacts(server, str(info.get("disaggregation_mode", "null")),
+                       bool(info.get("enable_dynamic_disaggregation")), int(sched["vocab_size"]),
+                       int(sched["context_length"]), int(sched["max_req_input_len"]),
+                       int(sched["max_running_requests"]))
+
+
+def check_grid(opts: Options, facts: ServerFacts) -> None:
+    """Refuses, before measuring anything, a grid the server cannot hold."""
+    too_long = [n for n in opts.prefill_tokens if n > facts.max_input_tokens]
+    if too_long:
+        raise ProfileError(f"--prefill-tokens {too_long} exceed the server's longest prompt "
+                           f"({facts.max_input_tokens} tokens)")
+    if facts.vocab_size <= 2 * LOWEST_PROMPT_ID:
+        raise ProfileError(f"the vocabulary ({facts.vocab_size}) is too small for random prompts")
+    longest = max(opts.decode_contexts) + opts.decode_tokens
+    if longest > facts.context_length:
+        raise ProfileError(f"--decode-contexts {max(opts.decode_contexts)} + --decode-tokens {opts.decode_tokens} "
+                           f"exceed the context length {facts.context_length}")
+    if max(opts.decode_batches) > facts.max_running_requests:
+        raise ProfileError(f"--decode-batches {max(opts.decode_batches)} exceeds the server's max running "
+                           f"requests ({facts.max_running_requests})")
+    biggest = max(opts.decode_batches) * longest
+    if biggest > facts.info.max_total_tokens:
+        raise ProfileError(f"the largest decode run needs {biggest} KV tokens; the server holds "
+                           f"{facts.info.max_total_tokens} (lower --decode-batches or --decode-contexts)")
+
+
+def current_mode(http: Http) -> str:
+    return str(http.call("GET", "/server_info").get("disaggregation_mode", "null"))
+
+
+# ------------------------------------------------------------------ prefill
+
+
+def random_prompt(rng: random.Random, tokens: int, vocab_size: int) -> list[int]:
+    return [rng.randrange(LOWEST_PROMPT_ID, vocab_size) for _ in range(tokens)]
+
+
+def prefill_once(http: Http, prompt: list[int]) -> float:
+    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    t0 = time.perf_counter()
+    out = http.call("POST", "/generate", body)
+    wall = time.perf_counter() - t0
+    meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
+    return float(meta.get("e2e_latency", wall))
+
+
+def measure_prefill(http: Http, opts: Options, vocab_size: int, rng: random.Random) -> list[PrefillPoint]:
+    points = []
+    for n in sorted(set(opts.prefill_tokens)):
+        prefill_once(http, random_prompt(rng, n, vocab_size))  # warm-up
+        seconds = statistics.median(prefill_once(http, random_prompt(rng, n, vocab_size))
+                                    for _ in range(opts.repeats))
+        opts.log(f"prefill {n} tokens: {seconds * 1000:.1f} ms")
+        points.append(PrefillPoint(tokens=n, seconds=round(seconds, 6)))
+    return points
+
+
+# ------------------------------------------------------------------ decode
+
+Stream = list[tuple[float, int]]  # (arrival time, output tokens so far) per SSE event
+
+
+async def _stream_one(client: httpx.AsyncClient, http: Http, prompt: list[int], new_tokens: int) -> Stream:
+    body = {"input_ids": prompt, "stream": True,
+            "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0.0, "ignore_eos": True}}
+    events: Stream = []
+    async with client.stream("POST", "/generate", json=body, headers=http.headers) as r:
+        if r.status_code != 200:
+            await r.aread()
+            raise ProfileError(f"POST {http.url}/generate (stream): HTTP {r.status_code}: {_server_message(r)}")
+        async for line in r.aiter_lines():
+            now = time.perf_counter()
+            payload = line[5:].strip() if line.startswith("data:") else ""
+            if not payload or payload == "[DONE]":
+                continue
+            chunk = json.loads(payload)
+            if "error" in chunk:
+                raise ProfileError(f"POST {http.url}/generate (stream): {chunk['error']}")
+            events.append((now, len(chunk.get("output_ids", []))))
+    if not events or events[-1][1] != new_tokens:
+        got = events[-1][1] if events else 0
+        raise ProfileError(f"a decode request ended after {got} of {new_tokens} tokens")
+    return events
+
+
+async def _decode_run_async(http: Http, prompts: list[list[int]], new_tokens: int) -> list[Stream]:
+    limits = httpx.Limits(max_connections=len(prompts) + 1, max_keepalive_connections=len(prompts) + 1)
+    async with httpx.AsyncClient(base_url=http.url, timeout=http.timeout_s, limits=limits) as client:
+        return list(await asyncio.gather(*(_stream_one(client, http, p, new_tokens) for p in prompts)))
+
+
+def decode_run(http: Http, prompts: list[list[int]], new_tokens: int) -> list[Stream]:
+    try:
+        return asyncio.run(_decode_run_async(http, prompts, new_tokens))
+    except httpx.HTTPError as e:
+        raise ProfileError(http.explain("POST", "/generate (stream)", e)) from None
+
+
+def steady_intervals(streams: list[Stream], prompt_tokens: int) -> tuple[list[float], list[int]]:
+    """Per-token intervals while every request of the batch was decoding, and the KV length
+    of the request at each (a token n, 1-based, comes from a step over prompt + n - 1 tokens).
+    An event that carries k tokens counts as k intervals of 1/k of its gap."""
+    all_running = max(s[0][0] for s in streams)
+    first_done = min(s[-1][0] for s in streams)
+    intervals: list[float] = []
+    kv_lengths: list[int] = []
+    for s in streams:
+        for (t0, n0), (t1, n1) in zip(s, s[1:]):
+            if t0 >= all_running and t1 <= first_done and n1 > n0:
+                intervals += [(t1 - t0) / (n1 - n0)] * (n1 - n0)
+                kv_lengths += [prompt_tokens + n - 1 for n in range(n0 + 1, n1 + 1)]
+    return intervals, kv_lengths
+
+
+def measure_decode_cell(http: Http, opts: Options, batch: int, context: int, vocab_size: int,
+                        rng: random.Random) -> DecodePoint:
+    prompts = [random_prompt(rng, context, vocab_size) for _ in range(batch)]  # reused: only decode is timed
+    intervals: list[float] = []
+    kv_lengths: list[int] = []
+    for _ in range(opts.repeats):
+        got = steady_intervals(decode_run(http, prompts, opts.decode_tokens), context)
+        intervals += got[0]
+        kv_lengths += got[1]
+    if not intervals:
+        raise ProfileError(f"decode batch {batch} x {context} tokens: the requests never decoded together; "
+                           f"raise --decode-tokens (now {opts.decode_tokens})")
+    step = statistics.median(intervals)
+    total_context = round(batch * statistics.fmean(kv_lengths))
+    opts.log(f"decode batch {batch}, {context}-token prompts (context {total_context} tokens): "
+             f"{step * 1000:.2f} ms/step over {len(intervals)} intervals")
+    return DecodePoint(batch=batch, context_tokens=total_context, step_seconds=round(step, 6))
+
+
+def measure_decode(http: Http, opts: Options, vocab_size: int, rng: random.Random) -> list[DecodePoint]:
+    warm = [random_prompt(rng, min(opts.decode_contexts), vocab_size) for _ in range(max(opts.decode_batches))]
+    decode_run(http, warm, opts.decode_tokens)
+    return [measure_decode_cell(http, opts, b, c, vocab_size, rng)
+            for b in sorted(set(opts.decode_batches)) for c in sorted(set(opts.decode_contexts))]
+
+
+# ------------------------------------------------------------------ switch and drain
+
+
+def switch_to(http: Http, mode: str) -> tuple[float, float]:
+    """(the server's switch seconds, the client's round trip seconds) of a drained switch."""
+    t0 = time.perf_counter()
+    reply = http.call("POST", "/admin/switch_disaggregation_mode",
+                      {"mode": mode, "drain": True, "timeout_s": float(http.timeout_s)}, admin=True)
+    wall = time.perf_counter() - t0
+    server_ms = (reply.get("timings_ms") or {}).get("switch")
+    return (server_ms / 1000 if server_ms is not None else wall), wall
+
+
+def switch_walk(http: Http, opts: Options, start: str, timed: bool) -> tuple[list[SwitchPoint], list[float]]:
+    """Every direction once (via null first unless the server is there); ends in null.
+    The switch points, and what each drained request cost beyond its switch."""
+    walk = ([] if start == "null" else ["null"]) + list(SWITCH_WALK)
+    points, overheads, mode = [], [], start
+    for dst in walk:
+        seconds, wall = switch_to(http, dst)
+        if timed:
+            opts.log(f"switch {mode} -> {dst}: {seconds * 1000:.1f} ms (round trip {wall * 1000:.1f} ms)")
+        points.append(SwitchPoint(src=mode, dst=dst, seconds=seconds))
+        overheads.append(max(wall - seconds, 0.0))
+        mode = dst
+    return points, overheads
+
+
+def measure_switches(http: Http, opts: Options, original: str) -> tuple[list[SwitchPoint], Drain]:
+    """A warm-up walk, then `repeats` timed walks: per direction the median switch time;
+    the idle drain cost is the median overhead. Leaves the server in null mode."""
+    switch_walk(http, opts, original, timed=False)
+    times: dict[tuple[str, str], list[float]] = {}
+    overheads: list[float] = []
+    for _ in range(opts.repeats):
+        points, extra = switch_walk(http, opts, "null", timed=True)
+        for p in points:
+            times.setdefault((p.src, p.dst), []).append(p.seconds)
+        overheads += extra
+    points = [SwitchPoint(src=src, dst=dst, seconds=round(statistics.median(v), 6)) for (src, dst), v in times.items()]
+    return points, Drain(seconds_idle=round(statistics.median(overheads), 6))
+
+
+def restore_mode(http: Http, original: str) -> None:
+    if current_mode(http) != original:
+        switch_to(http, original)
+    if current_mode(http) != original:
+        raise ProfileError(f"the server did not return to {original} mode")
+
+
+# ------------------------------------------------------------------ the whole run
+
+
+def run_profile(opts: Options) -> Profile:
+    http = Http(opts.url, opts.timeout_s, opts.api_key, opts.admin_api_key)
+    try:
+        facts = read_server(http)
+        check_grid(opts, facts)
+        if opts.measure_switch and not facts.switchable:
+            raise ProfileError("--measure-switch needs a server started with --enable-dynamic-disaggregation")
+        if not opts.measure_switch and facts.mode != "null":
+            raise ProfileError(f"the server is in {facts.mode} mode; profile a null-mode server, or pass "
+                               f"--measure-switch (it switches to null to measure and back at the end)")
+        return _measure(http, opts, facts)
+    finally:
+        http.close()
+
+
+def _measure(http: Http, opts: Options, facts: ServerFacts) -> Profile:
+    rng = random.Random(time.time_ns())
+    switches, drain = [], None
+    try:
+        if opts.measure_switch:
+            switches, drain = measure_switches(http, opts, facts.mode)
+        else:
+            opts.notes.append("switch and drain not measured (pass --measure-switch)")
+        prefill = measure_prefill(http, opts, facts.vocab_size, rng)
+        decode = measure_decode(http, opts, facts.vocab_size, rng)
+    except BaseException:
+        if opts.measure_switch:
+            _restore_quietly(http, opts, facts.mode)
+        raise
+    if opts.measure_switch:
+        restore_mode(http, facts.mode)
+    opts.notes.append("kv_transfer not measured: [] (the cost model treats a hand-off as free)")
+    return Profile(version=VERSION, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                   server=facts.info, prefill=prefill, decode=decode, kv_transfer=[], switch=switches, drain=drain)
+
+
+def _restore_quietly(http: Http, opts: Options, original: str) -> None:
+    """After a failure: put the original mode back, or say that it could not be."""
+    try:
+        restore_mode(http, original)
+    except ProfileError as e:
+        opts.log(f"warning: could not restore the server's {original} mode: {e}")
