@@ -4,6 +4,7 @@ run against a real server."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import copy
 import json
 import os
@@ -99,7 +100,8 @@ def test_decode_reproduces_a_linear_cost_exactly_inside_and_outside_the_grid():
 
 def test_switch_transfer_and_capacity():
     cm = CostModel.from_dict(make_profile(
-        switch=[{"src": "null", "dst": "prefill", "seconds": 0.004}, {"src": "prefill", "dst": "decode", "seconds": 0.002},
+        switch=[{"src": "null", "dst": "prefill", "seconds": 0.004},
+                {"src": "prefill", "dst": "decode", "seconds": 0.002},
                 {"src": "null", "dst": "prefill", "seconds": 0.006}],
         kv_transfer=[{"tokens": 100, "bytes": 1000, "seconds": 0.01}, {"tokens": 300, "bytes": 3000, "seconds": 0.03}],
         drain={"seconds_idle": 0.003}))
@@ -199,19 +201,26 @@ def test_an_unreachable_server_is_a_clear_error_not_a_traceback(tmp_path, capsys
 
 
 @pytest.mark.timeout(300)
-def test_profile_a_real_server_and_restore_its_mode(tmp_path):
-    s = Server("--enable-dynamic-disaggregation", "--disaggregation-mode", "prefill",
-               "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1")
+def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load the model at once
+        prefill = pool.submit(Server, "--enable-dynamic-disaggregation", "--disaggregation-mode", "prefill",
+                              "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1")
+        decode = pool.submit(Server, "--disaggregation-mode", "decode", "--torch-threads", "1")
+        servers = [f.result() for f in (prefill, decode) if f.exception() is None]
+        errors = [repr(f.exception()) for f in (prefill, decode) if f.exception() is not None]
     out = tmp_path / "profile.json"
     try:
+        assert not errors, f"a server did not start: {errors}"
+        s, d = servers
         run = subprocess.run(
-            [sys.executable, "-m", "tidal.cli", "profile", "--url", s.url, "--output", str(out),
+            [sys.executable, "-m", "tidal.cli", "profile", "--url", s.url, "--decode-url", d.url, "--output", str(out),
              "--prefill-tokens", "16,256", "--decode-batches", "1,2", "--decode-contexts", "16",
              "--decode-tokens", "8", "--repeats", "1", "--measure-switch", "--timeout-s", "60"],
             capture_output=True, text=True, timeout=240)
         mode = httpx.get(s.url + "/server_info", timeout=30).json()["disaggregation_mode"]
     finally:
-        s.stop()
+        for server in servers:
+            server.stop()
     assert run.returncode == 0, run.stderr
     assert mode == "prefill"  # switched to null to measure, then back
     cm = CostModel.from_file(str(out))
@@ -221,10 +230,12 @@ def test_profile_a_real_server_and_restore_its_mode(tmp_path):
     assert [x.batch for x in p.decode] == [1, 2]
     for x in p.decode:  # KV lengths 16 + n - 1 for the n-th token, n in 2..8
         assert x.batch * 17 <= x.context_tokens <= x.batch * 23
-    assert all(x.step_seconds > 0 for x in p.decode)
+        assert x.step_seconds > 0
     directions = {(x.src, x.dst) for x in p.switch}
     assert directions == {(a, b) for a in ("null", "prefill", "decode") for b in ("null", "prefill", "decode")
                           if a != b}
     assert all(x.seconds > 0 for x in p.switch) and p.drain is not None
     assert p.server.max_total_tokens == 8192 and p.server.transfer_backend == "tcp" and p.server.torch_threads == 1
-    assert p.kv_transfer == []
+    assert [x.tokens for x in p.kv_transfer] == [16, 256]
+    assert p.kv_transfer[0].bytes > 0 and p.kv_transfer[1].bytes == 16 * p.kv_transfer[0].bytes  # page size 1
+    assert all(x.seconds >= 0 for x in p.kv_transfer)

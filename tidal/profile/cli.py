@@ -64,6 +64,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
       help="also time role switches (every direction between null, prefill and decode) and the idle drain. "
       "This CHANGES THE SERVER'S MODE while it runs (the original mode is restored at the end, also on "
       "failure); needs a server started with --enable-dynamic-disaggregation (default: off)")
+    a("--decode-url", default=None,
+      help="a decode-mode server paired with --url's for the KV-transfer measurement (same transfer backend and "
+      "page size); needs --measure-switch, since --url's server is switched to prefill mode for it. Without it "
+      "kv_transfer is [] (default: none)")
     a("--api-key", default=None, help="Bearer key for the server's API routes (default: $TIDAL_API_KEY, else none)")
     a("--admin-api-key", default=None,
       help="Bearer key for the switch route (default: $TIDAL_ADMIN_API_KEY, else --api-key)")
@@ -80,7 +84,8 @@ def run_profile_cli(ns: argparse.Namespace) -> int:
     keys_from_env(ns)
     opts = Options(url=ns.url, prefill_tokens=ns.prefill_tokens, decode_batches=ns.decode_batches,
                    decode_contexts=ns.decode_contexts, decode_tokens=ns.decode_tokens, repeats=ns.repeats,
-                   timeout_s=ns.timeout_s, measure_switch=ns.measure_switch, api_key=ns.api_key,
+                   timeout_s=ns.timeout_s, measure_switch=ns.measure_switch, decode_url=ns.decode_url,
+                   api_key=ns.api_key,
                    admin_api_key=ns.admin_api_key, log=_say)
     try:
         profile = run_profile(opts)

@@ -9,6 +9,13 @@
   bucketed inter-token histogram), so the step time is the median client-side inter-token
   interval in the steady state: after every request got its first token and before the first
   one finished. context_tokens is B times the mean KV length over those intervals.
+- kv_transfer (opt-in, with a decode peer and --measure-switch): the server in prefill mode
+  serves one cached prompt per length in turn with a real hand-off to the decode peer (both
+  get the request with the same bootstrap room, as the router sends it) and with a fake one
+  (bootstrap host 2.2.2.2: nothing moves). The prompt being cached, both prefill about one
+  token, and every page is sent either way; the hand-off time is the difference of the
+  medians of the server's `e2e_latency` (its reply leaves once the transfer succeeded), the
+  bytes the growth of the server's `transfer_bytes` counter.
 - switch (opt-in, it changes the server's mode): every direction between null, prefill and
   decode once, timed by the server's reply (`timings_ms.switch`); the idle drain cost is the
   client round trip of those drained switch requests minus the switch itself. The original
@@ -18,10 +25,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import json
 import random
 import statistics
 import time
+import urllib.parse
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Any, Callable, Optional
@@ -33,6 +43,7 @@ from tidal.profile.schema import (
     VERSION,
     DecodePoint,
     Drain,
+    KVTransferPoint,
     PrefillPoint,
     Profile,
     ServerInfo,
@@ -41,6 +52,7 @@ from tidal.profile.schema import (
 
 SWITCH_WALK = ("prefill", "decode", "null", "decode", "prefill", "null")  # every direction once, from null
 LOWEST_PROMPT_ID = 1000  # random prompts stay clear of special and byte tokens
+FAKE_BOOTSTRAP_HOST = "2.2.2.2"  # tidal.transfer's fake hand-off: the prefill role's path, nothing moves
 
 
 class ProfileError(Exception):
@@ -57,6 +69,7 @@ class Options:
     repeats: int = 3
     timeout_s: float = 120.0
     measure_switch: bool = False
+    decode_url: Optional[str] = None
     api_key: Optional[str] = None
     admin_api_key: Optional[str] = None
     log: Callable[[str], None] = print
@@ -125,6 +138,7 @@ class ServerFacts:
     context_length: int
     max_input_tokens: int
     max_running_requests: int
+    bootstrap_port: Optional[int] = None
 
 
 def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
@@ -154,7 +168,7 @@ def read_server(http: Http) -> ServerFacts:
     return ServerFacts(server, str(info.get("disaggregation_mode", "null")),
                        bool(info.get("enable_dynamic_disaggregation")), int(sched["vocab_size"]),
                        int(sched["context_length"]), int(sched["max_req_input_len"]),
-                       int(sched["max_running_requests"]))
+                       int(sched["max_running_requests"]), info.get("disaggregation_bootstrap_port"))
 
 
 def check_grid(opts: Options, facts: ServerFacts) -> None:
@@ -292,6 +306,80 @@ def measure_decode(http: Http, opts: Options, vocab_size: int, rng: random.Rando
             for b in sorted(set(opts.decode_batches)) for c in sorted(set(opts.decode_contexts))]
 
 
+# ------------------------------------------------------------------ KV transfer
+
+
+def transfer_bytes(http: Http) -> int:
+    states = http.call("GET", "/server_info").get("internal_states") or []
+    if not states:
+        raise ProfileError(f"{http.url}/server_info has no scheduler statistics (internal_states)")
+    return int(states[0].get("transfer_bytes", 0))
+
+
+def _handoff_body(prompt: list[int], host: str, port: Optional[int], rng: random.Random) -> dict:
+    return {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+            "bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": rng.randrange(2**62)}
+
+
+def _e2e(reply: Any) -> float:
+    return float(reply["meta_info"]["e2e_latency"])
+
+
+def fake_handoff(http: Http, prompt: list[int], port: Optional[int], rng: random.Random) -> float:
+    return _e2e(http.call("POST", "/generate", _handoff_body(prompt, FAKE_BOOTSTRAP_HOST, port, rng)))
+
+
+def real_handoff(http: Http, decode: Http, prompt: list[int], port: Optional[int],
+                 rng: random.Random) -> tuple[float, int]:
+    """(the prefill server's e2e seconds, bytes it sent) of one request handed to the decode peer."""
+    body = _handoff_body(prompt, urllib.parse.urlsplit(http.url).hostname or "127.0.0.1", port, rng)
+    before = transfer_bytes(http)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        to_decode = pool.submit(decode.call, "POST", "/generate", body)
+        seconds = _e2e(http.call("POST", "/generate", body))
+        to_decode.result()
+    return seconds, transfer_bytes(http) - before
+
+
+def check_decode_peer(decode: Http, facts: ServerFacts, opts: Options) -> None:
+    peer = read_server(decode)
+    if peer.mode != "decode":
+        raise ProfileError(f"--decode-url {decode.url} is in {peer.mode} mode, not decode")
+    if peer.info.transfer_backend != facts.info.transfer_backend:
+        raise ProfileError(f"the decode peer uses the {peer.info.transfer_backend} transfer backend, the server "
+                           f"{facts.info.transfer_backend}")
+    if peer.info.page_size != facts.info.page_size:
+        raise ProfileError(f"page sizes differ: server {facts.info.page_size}, decode peer {peer.info.page_size}")
+    too_long = [n for n in opts.prefill_tokens if n > peer.max_input_tokens]
+    if too_long:
+        raise ProfileError(f"--prefill-tokens {too_long} exceed the decode peer's longest prompt "
+                           f"({peer.max_input_tokens} tokens)")
+
+
+def measure_kv_transfer(http: Http, decode: Http, opts: Options, facts: ServerFacts,
+                        rng: random.Random) -> list[KVTransferPoint]:
+    """Needs the server in prefill mode. One prompt per length, in the server's prefix cache after
+    the warm-up, so both kinds of hand-off prefill about one token and differ by the transfer of
+    the whole prompt's KV (every page is sent, cached or not). Real and fake hand-offs alternate."""
+    port, points = facts.bootstrap_port, []
+    for n in sorted(set(opts.prefill_tokens)):
+        prompt = random_prompt(rng, n, facts.vocab_size)
+        fake_handoff(http, prompt, port, rng)
+        real_handoff(http, decode, prompt, port, rng)
+        real, fake, sizes = [], [], []
+        for _ in range(opts.repeats):
+            seconds, size = real_handoff(http, decode, prompt, port, rng)
+            real.append(seconds)
+            sizes.append(size)
+            fake.append(fake_handoff(http, prompt, port, rng))
+        seconds = max(statistics.median(real) - statistics.median(fake), 0.0)
+        size = int(statistics.median(sizes))
+        opts.log(f"kv transfer {n} tokens: {seconds * 1000:.1f} ms, {size} bytes (cached prompt with the hand-off "
+                 f"{statistics.median(real) * 1000:.1f} ms, with a fake one {statistics.median(fake) * 1000:.1f} ms)")
+        points.append(KVTransferPoint(tokens=n, bytes=size, seconds=round(seconds, 6)))
+    return points
+
+
 # ------------------------------------------------------------------ switch and drain
 
 
@@ -345,40 +433,57 @@ def restore_mode(http: Http, original: str) -> None:
 # ------------------------------------------------------------------ the whole run
 
 
+def check_options(opts: Options, facts: ServerFacts) -> None:
+    check_grid(opts, facts)
+    if opts.measure_switch and not facts.switchable:
+        raise ProfileError("--measure-switch needs a server started with --enable-dynamic-disaggregation")
+    if opts.decode_url and not opts.measure_switch:
+        raise ProfileError("--decode-url needs --measure-switch: the server is switched to prefill mode to hand "
+                           "its KV to the decode peer")
+    if not opts.measure_switch and facts.mode != "null":
+        raise ProfileError(f"the server is in {facts.mode} mode; profile a null-mode server, or pass "
+                           f"--measure-switch (it switches to null to measure and back at the end)")
+
+
 def run_profile(opts: Options) -> Profile:
-    http = Http(opts.url, opts.timeout_s, opts.api_key, opts.admin_api_key)
-    try:
+    with contextlib.ExitStack() as stack:
+        http = stack.enter_context(contextlib.closing(
+            Http(opts.url, opts.timeout_s, opts.api_key, opts.admin_api_key)))
         facts = read_server(http)
-        check_grid(opts, facts)
-        if opts.measure_switch and not facts.switchable:
-            raise ProfileError("--measure-switch needs a server started with --enable-dynamic-disaggregation")
-        if not opts.measure_switch and facts.mode != "null":
-            raise ProfileError(f"the server is in {facts.mode} mode; profile a null-mode server, or pass "
-                               f"--measure-switch (it switches to null to measure and back at the end)")
-        return _measure(http, opts, facts)
-    finally:
-        http.close()
+        check_options(opts, facts)
+        decode = None
+        if opts.decode_url:
+            decode = stack.enter_context(contextlib.closing(
+                Http(opts.decode_url, opts.timeout_s, opts.api_key, opts.admin_api_key)))
+            check_decode_peer(decode, facts, opts)
+        return _measure(http, decode, opts, facts)
 
 
-def _measure(http: Http, opts: Options, facts: ServerFacts) -> Profile:
+def _measure(http: Http, decode: Optional[Http], opts: Options, facts: ServerFacts) -> Profile:
     rng = random.Random(time.time_ns())
-    switches, drain = [], None
+    switches, drain, transfers = [], None, []
     try:
         if opts.measure_switch:
             switches, drain = measure_switches(http, opts, facts.mode)
         else:
             opts.notes.append("switch and drain not measured (pass --measure-switch)")
         prefill = measure_prefill(http, opts, facts.vocab_size, rng)
-        decode = measure_decode(http, opts, facts.vocab_size, rng)
+        steps = measure_decode(http, opts, facts.vocab_size, rng)
+        if decode is not None:
+            switch_to(http, "prefill")
+            transfers = measure_kv_transfer(http, decode, opts, facts, rng)
     except BaseException:
         if opts.measure_switch:
             _restore_quietly(http, opts, facts.mode)
         raise
     if opts.measure_switch:
         restore_mode(http, facts.mode)
-    opts.notes.append("kv_transfer not measured: [] (the cost model treats a hand-off as free)")
+    if decode is None:
+        opts.notes.append("kv_transfer not measured: [] (pass --decode-url with --measure-switch; the cost model "
+                          "treats a hand-off as free)")
     return Profile(version=VERSION, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   server=facts.info, prefill=prefill, decode=decode, kv_transfer=[], switch=switches, drain=drain)
+                   server=facts.info, prefill=prefill, decode=steps, kv_transfer=transfers, switch=switches,
+                   drain=drain)
 
 
 def _restore_quietly(http: Http, opts: Options, original: str) -> None:
