@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import copy
+import http.server
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import httpx
 import pytest
@@ -197,7 +199,26 @@ def test_an_unreachable_server_is_a_clear_error_not_a_traceback(tmp_path, capsys
     assert not (tmp_path / "p.json").exists()
 
 
+def test_a_server_that_is_not_tidal_is_a_clear_error(tmp_path, capsys):
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        rc = main(["profile", "--url", f"http://127.0.0.1:{other.server_port}", "--output", str(tmp_path / "p.json")])
+    finally:
+        other.shutdown()
+        other.server_close()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "/server_info: HTTP 404" in err and "Traceback" not in err
+
+
 # ------------------------------------------------------------------ a real server
+
+
+def profile_cmd(url: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tidal.cli", "profile", "--url", url, *extra],
+                          capture_output=True, text=True, timeout=240)
 
 
 @pytest.mark.timeout(300)
@@ -212,15 +233,21 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     try:
         assert not errors, f"a server did not start: {errors}"
         s, d = servers
-        run = subprocess.run(
-            [sys.executable, "-m", "tidal.cli", "profile", "--url", s.url, "--decode-url", d.url, "--output", str(out),
-             "--prefill-tokens", "16,256", "--decode-batches", "1,2", "--decode-contexts", "16",
-             "--decode-tokens", "8", "--repeats", "1", "--measure-switch", "--timeout-s", "60"],
-            capture_output=True, text=True, timeout=240)
+        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--decode-batches", "1,2", "--decode-contexts",
+                "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
+        refused = [profile_cmd(s.url, *grid),  # a prefill-mode server without --measure-switch
+                   profile_cmd(s.url, *grid, "--measure-switch", "--decode-batches", "1,100"),
+                   profile_cmd(d.url, *grid, "--measure-switch")]  # not switchable
+        run = profile_cmd(s.url, *grid, "--decode-url", d.url, "--measure-switch")
         mode = httpx.get(s.url + "/server_info", timeout=30).json()["disaggregation_mode"]
     finally:
         for server in servers:
             server.stop()
+    assert [r.returncode for r in refused] == [1, 1, 1]
+    assert "the server is in prefill mode" in refused[0].stderr
+    assert "--decode-batches 100 exceeds the server's max running requests" in refused[1].stderr
+    assert "needs a server started with --enable-dynamic-disaggregation" in refused[2].stderr
+    assert all("Traceback" not in r.stderr for r in refused)
     assert run.returncode == 0, run.stderr
     assert mode == "prefill"  # switched to null to measure, then back
     cm = CostModel.from_file(str(out))

@@ -99,6 +99,9 @@ def run_profile_cli(ns: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         _say("tidal profile: interrupted")
         return 130
+    except Exception as e:  # a bug or a server answering nonsense: still one line, not a traceback
+        _say(f"tidal profile: error: unexpected {type(e).__name__}: {e}")
+        return 1
     for note in opts.notes:
         _say(f"note: {note}")
     _say(f"wrote {ns.output}")

@@ -159,6 +159,14 @@ def read_server(http: Http) -> ServerFacts:
     sched = info.get("scheduler_info") if isinstance(info, dict) else None
     if not sched:
         raise ProfileError(f"{http.url}/server_info has no scheduler_info: not a tidal server, or not ready yet")
+    try:
+        return _server_facts(http, info, sched)
+    except (KeyError, TypeError, ValueError) as e:
+        raise ProfileError(f"{http.url}/server_info lacks what a tidal server reports ({type(e).__name__}: {e})") \
+            from None
+
+
+def _server_facts(http: Http, info: dict, sched: dict) -> ServerFacts:
     model = info.get("served_model_name") or http.call("GET", "/get_model_info").get("served_model_name", "")
     server = ServerInfo(
         url=http.url, model=str(model), quantization=str(sched.get("quantization", "none")),
@@ -241,7 +249,10 @@ async def _stream_one(client: httpx.AsyncClient, http: Http, prompt: list[int], 
             payload = line[5:].strip() if line.startswith("data:") else ""
             if not payload or payload == "[DONE]":
                 continue
-            chunk = json.loads(payload)
+            try:
+                chunk = json.loads(payload)
+            except ValueError:
+                raise ProfileError(f"POST {http.url}/generate (stream): not a JSON event: {payload[:200]!r}") from None
             if "error" in chunk:
                 raise ProfileError(f"POST {http.url}/generate (stream): {chunk['error']}")
             events.append((now, len(chunk.get("output_ids", []))))
@@ -322,7 +333,10 @@ def _handoff_body(prompt: list[int], host: str, port: Optional[int], rng: random
 
 
 def _e2e(reply: Any) -> float:
-    return float(reply["meta_info"]["e2e_latency"])
+    try:
+        return float(reply["meta_info"]["e2e_latency"])
+    except (KeyError, TypeError, ValueError):
+        raise ProfileError(f"a /generate reply without meta_info.e2e_latency: {str(reply)[:200]}") from None
 
 
 def fake_handoff(http: Http, prompt: list[int], port: Optional[int], rng: random.Random) -> float:
