@@ -3,7 +3,9 @@
 - prefill: one request of N random token ids (unique per request, so the prefix cache
   cannot serve any of it) with max_new_tokens=1; its time is the server's own
   `meta_info.e2e_latency` (arrival in the API process to the first token), else the
-  client's wall time. One warm-up per size, then the median of the repeats.
+  client's wall time. One warm-up per size, then the median of the repeats. Repeats run in
+  rounds over the whole grid (here and for decode), so a slow spell on a shared host touches
+  every point alike.
 - decode: B concurrent streamed requests of L-token prompts with ignore_eos. The server
   exposes no per-step timing (scheduler/step_timing.py logs only at DEBUG, /metrics has a
   bucketed inter-token histogram), so the step time is the median client-side inter-token
@@ -221,11 +223,18 @@ def prefill_once(http: Http, prompt: list[int]) -> float:
 
 
 def measure_prefill(http: Http, opts: Options, vocab_size: int, rng: random.Random) -> list[PrefillPoint]:
+    """A warm-up per length, then `repeats` rounds over every length (so a slow spell on a shared
+    host touches every length alike); the median per length."""
+    sizes = sorted(set(opts.prefill_tokens))
+    for n in sizes:
+        prefill_once(http, random_prompt(rng, n, vocab_size))
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(opts.repeats):
+        for n in sizes:
+            times[n].append(prefill_once(http, random_prompt(rng, n, vocab_size)))
     points = []
-    for n in sorted(set(opts.prefill_tokens)):
-        prefill_once(http, random_prompt(rng, n, vocab_size))  # warm-up
-        seconds = statistics.median(prefill_once(http, random_prompt(rng, n, vocab_size))
-                                    for _ in range(opts.repeats))
+    for n in sizes:
+        seconds = statistics.median(times[n])
         opts.log(f"prefill {n} tokens: {seconds * 1000:.1f} ms")
         points.append(PrefillPoint(tokens=n, seconds=round(seconds, 6)))
     return points
@@ -291,15 +300,8 @@ def steady_intervals(streams: list[Stream], prompt_tokens: int) -> tuple[list[fl
     return intervals, kv_lengths
 
 
-def measure_decode_cell(http: Http, opts: Options, batch: int, context: int, vocab_size: int,
-                        rng: random.Random) -> DecodePoint:
-    prompts = [random_prompt(rng, context, vocab_size) for _ in range(batch)]  # reused: only decode is timed
-    intervals: list[float] = []
-    kv_lengths: list[int] = []
-    for _ in range(opts.repeats):
-        got = steady_intervals(decode_run(http, prompts, opts.decode_tokens), context)
-        intervals += got[0]
-        kv_lengths += got[1]
+def decode_point(batch: int, context: int, intervals: list[float], kv_lengths: list[int],
+                 opts: Options) -> DecodePoint:
     if not intervals:
         raise ProfileError(f"decode batch {batch} x {context} tokens: the requests never decoded together; "
                            f"raise --decode-tokens (now {opts.decode_tokens})")
@@ -311,10 +313,20 @@ def measure_decode_cell(http: Http, opts: Options, batch: int, context: int, voc
 
 
 def measure_decode(http: Http, opts: Options, vocab_size: int, rng: random.Random) -> list[DecodePoint]:
+    """A warm-up run, then `repeats` rounds over every (batch, prompt length) cell, each cell with
+    its own prompts in every round (only decode steps are timed, so a prompt served from the
+    prefix cache in later rounds changes nothing); per cell the median of all its intervals."""
     warm = [random_prompt(rng, min(opts.decode_contexts), vocab_size) for _ in range(max(opts.decode_batches))]
     decode_run(http, warm, opts.decode_tokens)
-    return [measure_decode_cell(http, opts, b, c, vocab_size, rng)
-            for b in sorted(set(opts.decode_batches)) for c in sorted(set(opts.decode_contexts))]
+    cells = [(b, c) for b in sorted(set(opts.decode_batches)) for c in sorted(set(opts.decode_contexts))]
+    prompts = {(b, c): [random_prompt(rng, c, vocab_size) for _ in range(b)] for b, c in cells}
+    samples: dict[tuple[int, int], tuple[list[float], list[int]]] = {cell: ([], []) for cell in cells}
+    for _ in range(opts.repeats):
+        for b, c in cells:
+            intervals, kv_lengths = steady_intervals(decode_run(http, prompts[(b, c)], opts.decode_tokens), c)
+            samples[(b, c)][0].extend(intervals)
+            samples[(b, c)][1].extend(kv_lengths)
+    return [decode_point(b, c, *samples[(b, c)], opts) for b, c in cells]
 
 
 # ------------------------------------------------------------------ KV transfer
