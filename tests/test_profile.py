@@ -139,6 +139,7 @@ def test_save_then_load_gives_the_same_profile(tmp_path):
     (lambda d: d.pop("decode"), "missing required field `decode`"),
     (lambda d: d["prefill"][1].update(seconds=-1.0), r"\$.prefill\[1\].seconds"),
     (lambda d: d["server"].update(gpu="x"), "unknown field `gpu`"),
+    (lambda d: d["server"].pop("max_total_tokens"), "missing required field `max_total_tokens`"),
     (lambda d: d["switch"].append({"src": "null", "dst": "colocated", "seconds": 0.1}), r"\$.switch\[0\].dst"),
     (lambda d: d.update(version=2), "unsupported profile version 2"),
     (lambda d: d.update(prefill=[]), "no prefill points"),
@@ -152,6 +153,20 @@ def test_a_malformed_profile_is_refused_with_what_is_wrong(tmp_path, change, mes
     path.write_text(json.dumps(d))
     with pytest.raises(ProfileFormatError, match=f"{path}: .*{message}"):
         load_profile(str(path))
+
+
+def test_a_hand_written_profile_needs_only_capacity_and_the_curves(tmp_path):
+    minimal = {"version": 1, "server": {"max_total_tokens": 4096},
+               "prefill": [{"tokens": 10, "seconds": 0.01}], "decode": [{"batch": 1, "context_tokens": 0,
+                                                                        "step_seconds": 0.02}]}
+    cm = CostModel.from_dict(minimal)
+    assert cm.max_total_tokens == 4096 and cm.prefill_seconds(99) == pytest.approx(0.01)
+    assert cm.profile.kv_transfer == [] and cm.profile.switch == [] and cm.profile.drain is None
+    save_profile(cm.profile, str(tmp_path / "p.json"))
+    written = json.load(open(tmp_path / "p.json"))
+    assert set(written) == {"version", "measured_at", "server", "prefill", "decode", "kv_transfer", "switch", "drain"}
+    assert set(written["server"]) == {"url", "model", "quantization", "dtype", "torch_threads", "cpu_flags",
+                                      "page_size", "max_total_tokens", "transfer_backend"}
 
 
 def test_a_file_that_is_not_json_is_refused(tmp_path):

@@ -1,7 +1,9 @@
 """The profile file: msgspec Structs for JSON version 1, `load_profile`, `save_profile`.
 
 Unknown fields and out-of-range values are refused on load, with the JSON path of the first
-offender in the message (`ProfileFormatError`).
+offender in the message (`ProfileFormatError`). What a hand-written profile (a test's) may
+leave out has a default: measured_at, the server's descriptive fields (not max_total_tokens),
+kv_transfer and switch ([]), drain (null). `save_profile` always writes every field.
 """
 
 from __future__ import annotations
@@ -29,16 +31,16 @@ class _Struct(msgspec.Struct, forbid_unknown_fields=True):
     pass
 
 
-class ServerInfo(_Struct):
-    url: str
-    model: str
-    quantization: str
-    dtype: str
-    torch_threads: NonNegativeInt
-    cpu_flags: list[str]
-    page_size: PositiveInt
+class ServerInfo(_Struct, kw_only=True):
+    url: str = ""
+    model: str = ""
+    quantization: str = ""
+    dtype: str = ""
+    torch_threads: NonNegativeInt = 0
+    cpu_flags: list[str] = []
+    page_size: PositiveInt = 1
     max_total_tokens: PositiveInt
-    transfer_backend: str
+    transfer_backend: str = ""
 
 
 class PrefillPoint(_Struct):
@@ -68,15 +70,15 @@ class Drain(_Struct):
     seconds_idle: NonNegativeFloat
 
 
-class Profile(_Struct):
+class Profile(_Struct, kw_only=True):
     version: int
-    measured_at: str
+    measured_at: str = ""
     server: ServerInfo
     prefill: list[PrefillPoint]
     decode: list[DecodePoint]
-    kv_transfer: list[KVTransferPoint]
-    switch: list[SwitchPoint]
-    drain: Optional[Drain]
+    kv_transfer: list[KVTransferPoint] = []
+    switch: list[SwitchPoint] = []
+    drain: Optional[Drain] = None
 
 
 def check_profile(p: Profile) -> Profile:
