@@ -202,6 +202,13 @@ def check_grid(opts: Options, facts: ServerFacts) -> None:
                            f"{facts.info.max_total_tokens} (lower --decode-batches or --decode-contexts)")
 
 
+def warn_if_busy(http: Http, opts: Options) -> None:
+    load = http.call("GET", "/get_load")
+    busy = sum(int(x.get("num_reqs", 0)) for x in load) if isinstance(load, list) else 0
+    if busy:
+        opts.log(f"warning: the server has {busy} requests in flight; other traffic ends up in the numbers")
+
+
 def current_mode(http: Http) -> str:
     return str(http.call("GET", "/server_info").get("disaggregation_mode", "null"))
 
@@ -413,7 +420,7 @@ def switch_to(http: Http, mode: str) -> tuple[float, float]:
     """(the server's switch seconds, the client's round trip seconds) of a drained switch."""
     t0 = time.perf_counter()
     reply = http.call("POST", "/admin/switch_disaggregation_mode",
-                      {"mode": mode, "drain": True, "timeout_s": float(http.timeout_s)}, admin=True)
+                      {"mode": mode, "drain": True, "timeout_s": min(float(http.timeout_s), 3600.0)}, admin=True)
     wall = time.perf_counter() - t0
     server_ms = (reply.get("timings_ms") or {}).get("switch")
     return (server_ms / 1000 if server_ms is not None else wall), wall
@@ -477,6 +484,7 @@ def run_profile(opts: Options) -> Profile:
             Http(opts.url, opts.timeout_s, opts.api_key, opts.admin_api_key)))
         facts = read_server(http)
         check_options(opts, facts)
+        warn_if_busy(http, opts)
         decode = None
         if opts.decode_url:
             decode = stack.enter_context(contextlib.closing(
