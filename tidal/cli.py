@@ -1,4 +1,4 @@
-"""The `tidal` command: serve, router, cluster, bench."""
+"""The `tidal` command: serve, router, cluster, bench, profile."""
 
 from __future__ import annotations
 
@@ -27,6 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.cluster import add_cluster_args
 
     add_cluster_args(cluster)
+    profile = sub.add_parser("profile", help="measure one server's prefill, decode and switch costs into a JSON "
+                             "profile for the planner and the simulator", **fmt)
+    from tidal.profile.cli import add_profile_args
+
+    add_profile_args(profile)
     return parser
 
 
@@ -45,6 +50,10 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.leftovers import exit_now
 
         exit_now(run_cluster(args))  # the cluster's processes and shared memory are gone
+    if args.command == "profile":
+        from tidal.profile.cli import run_profile_cli
+
+        return run_profile_cli(args)
     if args.command == "bench":
         from tidal.bench import run_bench
 

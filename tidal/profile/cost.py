@@ -1,73 +1,108 @@
-"""The cost model: a profile's measured points, interpolated piecewise-linearly.
+"""CostModel: a profile's measured points as functions the planner and the simulator call.
 
-Between points: linear; past the ends: the end segment's line, never below zero.
-(A minimal copy written to the planner/profiler contract; the profiler's version wins.)
+Every function interpolates piecewise-linearly between measured points and extrapolates the
+end segment linearly past either end; results are never below zero. Repeated points (the
+same x measured twice) are averaged.
+
+Decode is 2-D. Points are grouped into rows by batch size; within a row the step time is
+piecewise-linear in context_tokens (each row has its own measured contexts, since the
+total context grows with the batch). Between rows it is linear in the batch size, each row
+evaluated at the asked context first: bilinear on the measured grid. A cost of the form
+a + b*batch + c*context_tokens is reproduced exactly, inside and outside the grid.
 """
 
 from __future__ import annotations
 
 import bisect
-from typing import Sequence
+import statistics
+from collections import defaultdict
+from typing import Any, Iterable, Sequence
 
-import msgspec
-
-from tidal.profile.schema import Profile, load_profile
+from tidal.profile.schema import MODES, Profile, load_profile, profile_from_dict
 
 
-def interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
-    """Piecewise-linear through (xs, ys) (xs sorted, distinct), extended linearly, floored at 0."""
-    if not xs:
-        return 0.0
+def _averaged(points: Iterable[tuple[float, float]]) -> tuple[list[float], list[float]]:
+    """(xs sorted and distinct, ys) with the ys of equal xs averaged."""
+    by_x: dict[float, list[float]] = defaultdict(list)
+    for x, y in points:
+        by_x[x].append(y)
+    xs = sorted(by_x)
+    return xs, [statistics.fmean(by_x[x]) for x in xs]
+
+
+def piecewise_linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """The polyline through (xs, ys) at x, its end segments continued past the ends; unclamped.
+    One point: that value everywhere."""
     if len(xs) == 1:
-        return max(0.0, ys[0] * x / xs[0]) if xs[0] else max(0.0, ys[0])
-    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
-    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
-
-
-def _curve(pairs: Sequence[tuple[float, float]]) -> tuple[list[float], list[float]]:
-    merged: dict[float, list[float]] = {}
-    for x, y in pairs:
-        merged.setdefault(float(x), []).append(float(y))
-    xs = sorted(merged)
-    return xs, [sum(merged[x]) / len(merged[x]) for x in xs]
+        return ys[0]
+    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 class CostModel:
-    def __init__(self, profile: Profile) -> None:
-        self.profile = profile
-        self._prefill = _curve([(p.tokens, p.seconds) for p in profile.prefill])
-        self._transfer = _curve([(p.tokens, p.seconds) for p in profile.kv_transfer])
-        by_batch: dict[int, list[tuple[float, float]]] = {}
-        for p in profile.decode:
-            by_batch.setdefault(p.batch, []).append((p.context_tokens, p.step_seconds))
-        self._batches = sorted(by_batch)
-        self._decode = [_curve(by_batch[b]) for b in self._batches]
-        self._switch = {(s.src, s.dst): s.seconds for s in profile.switch}
+    """Seconds per unit of work on the profiled server (see docs/elasticity.md, "Profile")."""
 
-    @classmethod
-    def from_dict(cls, d: dict) -> "CostModel":
-        return cls(msgspec.convert(d, Profile))
+    def __init__(self, profile: Profile):
+        self.profile = profile
+        self._prefill = _averaged((p.tokens, p.seconds) for p in profile.prefill)
+        self._transfer = _averaged((p.tokens, p.seconds) for p in profile.kv_transfer)
+        rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
+        for p in profile.decode:
+            rows[p.batch].append((p.context_tokens, p.step_seconds))
+        self._batches = sorted(rows)
+        self._decode_rows = [_averaged(rows[b]) for b in self._batches]
+        switches: dict[tuple[str, str], list[float]] = defaultdict(list)
+        for s in profile.switch:
+            switches[(s.src, s.dst)].append(s.seconds)
+        self._switch = {k: statistics.fmean(v) for k, v in switches.items() if k[0] != k[1]}
 
     @classmethod
     def from_file(cls, path: str) -> "CostModel":
         return cls(load_profile(path))
 
-    @property
-    def max_total_tokens(self) -> int:
-        return self.profile.server.max_total_tokens
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CostModel":
+        return cls(profile_from_dict(d))
 
     def prefill_seconds(self, tokens: int) -> float:
-        return interpolate(*self._prefill, tokens)
+        """One prompt of `tokens` new (uncached) tokens, alone in its batch; 0 for none."""
+        if tokens <= 0:
+            return 0.0
+        return max(0.0, piecewise_linear(*self._prefill, tokens))
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float:
-        if not self._batches:
+        """One decode step of `batch` running requests whose KV lengths sum to context_tokens."""
+        if batch <= 0:
             return 0.0
-        per_batch = [interpolate(xs, ys, context_tokens) for xs, ys in self._decode]
-        return interpolate([float(b) for b in self._batches], per_batch, batch)
+        per_row = [piecewise_linear(xs, ys, context_tokens) for xs, ys in self._decode_rows]
+        return max(0.0, piecewise_linear(self._batches, per_row, batch))
 
     def kv_transfer_seconds(self, tokens: int) -> float:
-        return interpolate(*self._transfer, tokens)
+        """The prefill->decode KV hand-off of one request of `tokens` tokens; 0 when the
+        profile did not measure transfers (kv_transfer is [])."""
+        if tokens <= 0 or not self._transfer[0]:
+            return 0.0
+        return max(0.0, piecewise_linear(*self._transfer, tokens))
 
     def switch_seconds(self, src: str, dst: str) -> float:
-        return self._switch.get((src, dst), 0.0)
+        """A role switch of a drained server. 0 for src == dst; a direction the profile did not
+        measure costs the slowest measured one (0 when none was measured)."""
+        for mode in (src, dst):
+            if mode not in MODES:
+                raise ValueError(f"unknown mode {mode!r}; modes are {list(MODES)}")
+        if src == dst:
+            return 0.0
+        if (src, dst) in self._switch:
+            return self._switch[(src, dst)]
+        return max(self._switch.values(), default=0.0)
+
+    @property
+    def drain_seconds_idle(self) -> float:
+        """What a drained switch adds on an idle server (0 when not measured)."""
+        return self.profile.drain.seconds_idle if self.profile.drain else 0.0
+
+    @property
+    def max_total_tokens(self) -> int:
+        """KV capacity of one server, tokens."""
+        return self.profile.server.max_total_tokens

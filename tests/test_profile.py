@@ -1,0 +1,283 @@
+"""`tidal profile` and its cost model: interpolation on hand-made profiles (values worked out by
+hand in the comments), the file format, the steady-state window of the decode measurement, and one
+run against a real server."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import copy
+import http.server
+import json
+import os
+import subprocess
+import sys
+import threading
+
+import httpx
+import pytest
+
+from servers import Server, free_port
+from tidal.cli import main
+from tidal.profile.cost import CostModel
+from tidal.profile.measure import cpu_flags, steady_intervals
+from tidal.profile.schema import ProfileFormatError, load_profile, profile_from_dict, save_profile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def make_profile(**overrides) -> dict:
+    d = {
+        "version": 1,
+        "measured_at": "2026-11-24T00:00:00+00:00",
+        "server": {"url": "http://127.0.0.1:1", "model": "m", "quantization": "gguf", "dtype": "float32",
+                   "torch_threads": 2, "cpu_flags": ["avx2", "fma"], "page_size": 1, "max_total_tokens": 9000,
+                   "transfer_backend": "tcp"},
+        "prefill": [{"tokens": 100, "seconds": 1.0}, {"tokens": 200, "seconds": 1.5}, {"tokens": 400, "seconds": 3.5}],
+        "decode": [{"batch": 1, "context_tokens": 100, "step_seconds": 0.010},
+                   {"batch": 1, "context_tokens": 300, "step_seconds": 0.030},
+                   {"batch": 3, "context_tokens": 300, "step_seconds": 0.020},
+                   {"batch": 3, "context_tokens": 900, "step_seconds": 0.050}],
+        "kv_transfer": [],
+        "switch": [],
+        "drain": None,
+    }
+    d.update(overrides)
+    return d
+
+
+# ------------------------------------------------------------------ cost model
+
+
+def test_prefill_interpolates_between_points_and_extrapolates_the_end_segments():
+    cm = CostModel.from_dict(make_profile())
+    assert cm.prefill_seconds(100) == pytest.approx(1.0)
+    assert cm.prefill_seconds(150) == pytest.approx(1.25)  # halfway 1.0 -> 1.5
+    assert cm.prefill_seconds(300) == pytest.approx(2.5)  # halfway 1.5 -> 3.5
+    assert cm.prefill_seconds(500) == pytest.approx(4.5)  # last slope 2.0/200 per token: 3.5 + 100 * 0.01
+    assert cm.prefill_seconds(50) == pytest.approx(0.75)  # first slope 0.5/100: 1.0 - 50 * 0.005
+    assert cm.prefill_seconds(0) == 0.0
+
+
+def test_extrapolation_never_goes_below_zero():
+    cm = CostModel.from_dict(make_profile(
+        prefill=[{"tokens": 100, "seconds": 0.1}, {"tokens": 200, "seconds": 1.1}],
+        decode=[{"batch": 1, "context_tokens": 100, "step_seconds": 0.01},
+                {"batch": 2, "context_tokens": 100, "step_seconds": 0.05}]))
+    assert cm.prefill_seconds(50) == 0.0  # 0.1 - 50 * 0.01 = -0.4
+    assert cm.decode_step_seconds(1, 100) == pytest.approx(0.01)
+    assert cm.decode_step_seconds(0, 100) == 0.0
+    # batch 1 row and batch 2 row are constant in context; linear in batch: 0.01 + 0.04 * (b - 1)
+    assert cm.decode_step_seconds(3, 5000) == pytest.approx(0.09)
+
+
+def test_repeated_points_are_averaged():
+    cm = CostModel.from_dict(make_profile(prefill=[{"tokens": 100, "seconds": 1.0}, {"tokens": 100, "seconds": 2.0},
+                                                   {"tokens": 300, "seconds": 3.5}]))
+    assert cm.prefill_seconds(100) == pytest.approx(1.5)
+    assert cm.prefill_seconds(200) == pytest.approx(2.5)
+
+
+def test_decode_is_bilinear_on_the_measured_grid():
+    cm = CostModel.from_dict(make_profile())
+    assert cm.decode_step_seconds(1, 200) == pytest.approx(0.020)  # on row 1, halfway
+    assert cm.decode_step_seconds(3, 600) == pytest.approx(0.035)  # on row 3, halfway 0.020 -> 0.050
+    # batch 2, context 300: row 1 gives 0.030, row 3 gives 0.020; halfway between the rows
+    assert cm.decode_step_seconds(2, 300) == pytest.approx(0.025)
+    # batch 2, context 600: row 1 extrapolated 0.010 + 500 * 0.0001 = 0.060, row 3 0.035 -> 0.0475
+    assert cm.decode_step_seconds(2, 600) == pytest.approx(0.0475)
+    # batch 5 (past the last row), context 900: rows give 0.090 and 0.050; slope -0.02 per batch -> 0.010
+    assert cm.decode_step_seconds(5, 900) == pytest.approx(0.010)
+
+
+def test_decode_reproduces_a_linear_cost_exactly_inside_and_outside_the_grid():
+    def cost(b: int, c: int) -> float:
+        return 0.01 + 0.002 * b + 0.00001 * c
+
+    grid = [(1, 100), (1, 500), (4, 400), (4, 2000), (8, 800), (8, 4000)]
+    cm = CostModel.from_dict(make_profile(decode=[{"batch": b, "context_tokens": c, "step_seconds": cost(b, c)}
+                                                  for b, c in grid]))
+    for b, c in [(2, 1000), (6, 3000), (16, 10000), (1, 50)]:
+        assert cm.decode_step_seconds(b, c) == pytest.approx(cost(b, c))
+
+
+def test_switch_transfer_and_capacity():
+    cm = CostModel.from_dict(make_profile(
+        switch=[{"src": "null", "dst": "prefill", "seconds": 0.004},
+                {"src": "prefill", "dst": "decode", "seconds": 0.002},
+                {"src": "null", "dst": "prefill", "seconds": 0.006}],
+        kv_transfer=[{"tokens": 100, "bytes": 1000, "seconds": 0.01}, {"tokens": 300, "bytes": 3000, "seconds": 0.03}],
+        drain={"seconds_idle": 0.003}))
+    assert cm.switch_seconds("null", "prefill") == pytest.approx(0.005)  # two measurements averaged
+    assert cm.switch_seconds("prefill", "decode") == pytest.approx(0.002)
+    assert cm.switch_seconds("decode", "null") == pytest.approx(0.005)  # not measured: the slowest measured
+    assert cm.switch_seconds("decode", "decode") == 0.0
+    with pytest.raises(ValueError, match="unknown mode"):
+        cm.switch_seconds("null", "colocated")
+    assert cm.kv_transfer_seconds(200) == pytest.approx(0.02)
+    assert cm.kv_transfer_seconds(600) == pytest.approx(0.06)
+    assert cm.drain_seconds_idle == pytest.approx(0.003)
+    assert cm.max_total_tokens == 9000
+    empty = CostModel.from_dict(make_profile())
+    assert empty.kv_transfer_seconds(200) == 0.0 and empty.switch_seconds("null", "decode") == 0.0
+
+
+# ------------------------------------------------------------------ the file
+
+
+def test_save_then_load_gives_the_same_profile(tmp_path):
+    original = profile_from_dict(make_profile(switch=[{"src": "null", "dst": "decode", "seconds": 0.002}],
+                                              drain={"seconds_idle": 0.001}))
+    path = str(tmp_path / "p.json")
+    save_profile(original, path)
+    assert load_profile(path) == original
+    assert json.load(open(path)) == make_profile(switch=[{"src": "null", "dst": "decode", "seconds": 0.002}],
+                                                 drain={"seconds_idle": 0.001})
+    assert CostModel.from_file(path).prefill_seconds(150) == pytest.approx(1.25)
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda d: d.pop("decode"), "missing required field `decode`"),
+    (lambda d: d["prefill"][1].update(seconds=-1.0), r"\$.prefill\[1\].seconds"),
+    (lambda d: d["server"].update(gpu="x"), "unknown field `gpu`"),
+    (lambda d: d["server"].pop("max_total_tokens"), "missing required field `max_total_tokens`"),
+    (lambda d: d["switch"].append({"src": "null", "dst": "colocated", "seconds": 0.1}), r"\$.switch\[0\].dst"),
+    (lambda d: d.update(version=2), "unsupported profile version 2"),
+    (lambda d: d.update(prefill=[]), "no prefill points"),
+])
+def test_a_malformed_profile_is_refused_with_what_is_wrong(tmp_path, change, message):
+    d = copy.deepcopy(make_profile())
+    change(d)
+    with pytest.raises(ProfileFormatError, match=message):
+        CostModel.from_dict(d)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(d))
+    with pytest.raises(ProfileFormatError, match=f"{path}: .*{message}"):
+        load_profile(str(path))
+
+
+def test_a_hand_written_profile_needs_only_capacity_and_the_curves(tmp_path):
+    minimal = {"version": 1, "server": {"max_total_tokens": 4096},
+               "prefill": [{"tokens": 10, "seconds": 0.01}], "decode": [{"batch": 1, "context_tokens": 0,
+                                                                        "step_seconds": 0.02}]}
+    cm = CostModel.from_dict(minimal)
+    assert cm.max_total_tokens == 4096 and cm.prefill_seconds(99) == pytest.approx(0.01)
+    assert cm.profile.kv_transfer == [] and cm.profile.switch == [] and cm.profile.drain is None
+    save_profile(cm.profile, str(tmp_path / "p.json"))
+    written = json.load(open(tmp_path / "p.json"))
+    assert set(written) == {"version", "measured_at", "server", "prefill", "decode", "kv_transfer", "switch", "drain"}
+    assert set(written["server"]) == {"url", "model", "quantization", "dtype", "torch_threads", "cpu_flags",
+                                      "page_size", "max_total_tokens", "transfer_backend"}
+
+
+def test_a_file_that_is_not_json_is_refused(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text("{not json")
+    with pytest.raises(ProfileFormatError, match="not a tidal profile"):
+        load_profile(str(path))
+    with pytest.raises(ProfileFormatError, match="cannot read profile"):
+        load_profile(str(tmp_path / "missing.json"))
+
+
+def test_the_shipped_profile_loads():
+    path = os.path.join(REPO, "tidal", "profile", "data", "smollm2_cpu_2core.json")
+    cm = CostModel.from_file(path)
+    assert "avx2" in cm.profile.server.cpu_flags
+    assert cm.prefill_seconds(512) > 0 and cm.decode_step_seconds(8, 4096) > 0
+
+
+# ------------------------------------------------------------------ measurement pieces
+
+
+def test_the_decode_window_starts_when_all_run_and_ends_when_one_finishes():
+    # two requests with 4-token prompts; (time, tokens so far). Request b's first token at t=1.0,
+    # request a finishes at t=1.3: only intervals inside [1.0, 1.3] count.
+    a = [(0.5, 1), (0.9, 2), (1.0, 3), (1.1, 4), (1.3, 6)]  # the last event carries two tokens
+    b = [(1.0, 1), (1.1, 2), (1.2, 3), (1.3, 4), (1.5, 5)]
+    intervals, kv = steady_intervals([a, b], prompt_tokens=4)
+    assert sorted(round(x, 6) for x in intervals) == [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
+    assert sorted(kv) == sorted([4 + 3, 4 + 4, 4 + 5, 4 + 1, 4 + 2, 4 + 3])  # token n: prompt + n - 1
+
+
+def test_cpu_flags_come_from_cpuinfo(tmp_path):
+    path = tmp_path / "cpuinfo"
+    path.write_text("processor\t: 0\nflags\t\t: fma avx2 sse2 avx2\n\nprocessor\t: 1\nflags\t\t: fma\n")
+    assert cpu_flags(str(path)) == ["avx2", "fma", "sse2"]
+    assert cpu_flags(str(tmp_path / "none")) == []
+
+
+def test_an_unreachable_server_is_a_clear_error_not_a_traceback(tmp_path, capsys):
+    rc = main(["profile", "--url", f"http://127.0.0.1:{free_port()}", "--output", str(tmp_path / "p.json"),
+               "--timeout-s", "5"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "tidal profile: error: cannot connect to" in err and "Traceback" not in err
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_server_that_is_not_tidal_is_a_clear_error(tmp_path, capsys):
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    thread = threading.Thread(target=other.serve_forever, daemon=True)
+    thread.start()
+    try:
+        rc = main(["profile", "--url", f"http://127.0.0.1:{other.server_port}", "--output", str(tmp_path / "p.json")])
+    finally:
+        other.shutdown()
+        other.server_close()
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "/server_info: HTTP 404" in err and "Traceback" not in err
+
+
+# ------------------------------------------------------------------ a real server
+
+
+def profile_cmd(url: str, *extra: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tidal.cli", "profile", "--url", url, *extra],
+                          capture_output=True, text=True, timeout=240)
+
+
+@pytest.mark.timeout(300)
+def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path):
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load the model at once
+        prefill = pool.submit(Server, "--enable-dynamic-disaggregation", "--disaggregation-mode", "prefill",
+                              "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1")
+        decode = pool.submit(Server, "--disaggregation-mode", "decode", "--torch-threads", "1")
+        servers = [f.result() for f in (prefill, decode) if f.exception() is None]
+        errors = [repr(f.exception()) for f in (prefill, decode) if f.exception() is not None]
+    out = tmp_path / "profile.json"
+    try:
+        assert not errors, f"a server did not start: {errors}"
+        s, d = servers
+        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--decode-batches", "1,2", "--decode-contexts",
+                "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
+        refused = [profile_cmd(s.url, *grid),  # a prefill-mode server without --measure-switch
+                   profile_cmd(s.url, *grid, "--measure-switch", "--decode-batches", "1,100"),
+                   profile_cmd(d.url, *grid, "--measure-switch")]  # not switchable
+        run = profile_cmd(s.url, *grid, "--decode-url", d.url, "--measure-switch")
+        mode = httpx.get(s.url + "/server_info", timeout=30).json()["disaggregation_mode"]
+    finally:
+        for server in servers:
+            server.stop()
+    assert [r.returncode for r in refused] == [1, 1, 1]
+    assert "the server is in prefill mode" in refused[0].stderr
+    assert "--decode-batches 100 exceeds the server's max running requests" in refused[1].stderr
+    assert "needs a server started with --enable-dynamic-disaggregation" in refused[2].stderr
+    assert all("Traceback" not in r.stderr for r in refused)
+    assert run.returncode == 0, run.stderr
+    assert mode == "prefill"  # switched to null to measure, then back
+    cm = CostModel.from_file(str(out))
+    p = cm.profile
+    assert [x.tokens for x in p.prefill] == [16, 256] and all(x.seconds > 0 for x in p.prefill)
+    assert p.prefill[1].seconds > p.prefill[0].seconds  # 16x the tokens; loose on a noisy box
+    assert [x.batch for x in p.decode] == [1, 2]
+    for x in p.decode:  # KV lengths 16 + n - 1 for the n-th token, n in 2..8
+        assert x.batch * 17 <= x.context_tokens <= x.batch * 23
+        assert x.step_seconds > 0
+    directions = {(x.src, x.dst) for x in p.switch}
+    assert directions == {(a, b) for a in ("null", "prefill", "decode") for b in ("null", "prefill", "decode")
+                          if a != b}
+    assert all(x.seconds > 0 for x in p.switch) and p.drain is not None
+    assert p.server.max_total_tokens == 8192 and p.server.transfer_backend == "tcp" and p.server.torch_threads == 1
+    assert [x.tokens for x in p.kv_transfer] == [16, 256]
+    assert p.kv_transfer[0].bytes > 0 and p.kv_transfer[1].bytes == 16 * p.kv_transfer[0].bytes  # page size 1
+    assert all(x.seconds >= 0 for x in p.kv_transfer)
