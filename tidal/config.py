@@ -143,6 +143,8 @@ class ServerArgs:
     disable_cpu_pinning: bool = False
     stream_interval: int = 1
     disable_overlap_schedule: bool = False
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int = 32
     enable_integrity_check: bool = False
     watchdog_timeout: float = 300.0
     http_read_timeout_secs: float = 20.0
@@ -175,6 +177,10 @@ class ServerArgs:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
             raise ValueError("--tp must be >= 1")
+        if self.enable_torch_compile and self.tp_size > 1:
+            raise ValueError("--enable-torch-compile is not supported with --tp > 1 yet")
+        if self.torch_compile_max_bs < 1:
+            raise ValueError("--torch-compile-max-bs must be >= 1")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:
@@ -269,6 +275,13 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--disable-overlap-schedule", action="store_true",
       help="run each decode step's scheduling and result processing between forward passes instead of "
            "while the next pass runs (default: overlapped; TP > 1 and the prefill role never overlap)")
+    a("--enable-torch-compile", action="store_true",
+      help="compile the decode step with torch.compile (inductor): fewer, fused ops per step, fastest at "
+           "small batches; compiles a few graphs at start-up (a minute or more on a small CPU, faster once "
+           "inductor's on-disk cache has them) and needs a C++ compiler; --tp 1 only")
+    a("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
+      help="with --enable-torch-compile: decode batches of at most this many requests run compiled, larger "
+           "ones and every prefill eager")
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds without scheduler output before requests fail (and TP collectives time out)")
     a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,

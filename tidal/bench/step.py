@@ -8,7 +8,8 @@ shuffled, as in a long-running server), then times decode steps (ms/step, median
 matmul (linear layers and LM head), attention, K/V store and gather, norms/activations/RoPE
 (elementwise) and everything else. `--prefill N` also times one N-token prefill in chunks of
 --chunk tokens. `--decode-paths sdpa bag` times both decode attention paths in one run, their
-steps alternating (an A/B).
+steps alternating (an A/B); `--torch-compile` likewise times eager and compiled decode steps
+(`tidal serve --enable-torch-compile`) alternating.
 """
 
 from __future__ import annotations
@@ -135,33 +136,38 @@ def time_steps(fn, warmup: int, steps: int) -> list[float]:
 
 def bench_decode(sb: StepBench, batch: int, context: int, warmup: int, steps: int,
                  profile: bool, paths: tuple[str, ...] = ("auto",)) -> list[dict]:
-    """One row per decode attention path; with several, their steps alternate so load changes hit all alike."""
+    """One row per decode attention path (and, with a compiled runner, per eager/compiled);
+    with several, their steps alternate so load changes hit all alike."""
     fb_once = sb.decode_step(batch, context)
     backend = sb.runner.attn_backend
+    compiled = sb.runner.compiled
+    variants = [(path, c) for path in paths for c in ((False, True) if compiled is not None else (False,))]
 
-    def step_fn(path: str):
+    def step_fn(path: str, use_compiled: bool):
         def step():
             backend.decode_path = path
+            sb.runner.compiled = compiled if use_compiled else None
             fb_once.attn_metadata = None
             sb.run(fb_once)
         return step
 
-    fns = {path: step_fn(path) for path in paths}
+    fns = {v: step_fn(*v) for v in variants}
     for _ in range(warmup):
         for fn in fns.values():
             fn()
-    times: dict[str, list[float]] = {path: [] for path in paths}
+    times: dict[tuple[str, bool], list[float]] = {v: [] for v in variants}
     for _ in range(steps):
-        for path, fn in fns.items():
-            times[path] += time_steps(fn, 0, 1)
+        for v, fn in fns.items():
+            times[v] += time_steps(fn, 0, 1)
     rows = []
-    for path in paths:
-        p50 = statistics.median(times[path])
-        row = {"batch": batch, "context": context, "decode_path": path, "ms_per_step_p50": p50,
-               "ms_per_step_min": min(times[path]), "tok_per_s": batch * 1000.0 / p50}
+    for v in variants:
+        p50 = statistics.median(times[v])
+        row = {"batch": batch, "context": context, "decode_path": v[0], "compiled": v[1], "ms_per_step_p50": p50,
+               "ms_per_step_min": min(times[v]), "tok_per_s": batch * 1000.0 / p50}
         if profile:
-            row["breakdown_ms"] = profile_breakdown(fns[path], max(3, steps // 2))
+            row["breakdown_ms"] = profile_breakdown(fns[v], max(3, steps // 2))
         rows.append(row)
+    sb.runner.compiled = compiled
     return rows
 
 
@@ -202,6 +208,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     a("--decode-paths", nargs="+", choices=DECODE_PATHS, default=["auto"],
       help="decode attention paths to time (tidal/model/attention.py); several alternate step by step "
            "in one run, for an A/B")
+    a("--torch-compile", action="store_true",
+      help="also time the decode step compiled as --enable-torch-compile does, alternating with eager steps")
     a("--prefill", type=int, default=0, help="also time prefilling one prompt of this many tokens")
     a("--chunk", type=int, default=512, help="prefill chunk size (for filling the pool and --prefill)")
     a("--output-file", default=None, help="write the results as JSON here")
@@ -209,6 +217,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     max_batch = max(ns.batch_sizes) + (1 if ns.prefill else 0)
     context = max(ns.context, ns.prefill)
     kw = {} if ns.quantization is None else {"quantization": ns.quantization}
+    if ns.torch_compile:
+        kw.update(enable_torch_compile=True, torch_compile_max_bs=max(ns.batch_sizes))
     args = ServerArgs(model_path=ns.model_path or default_model_path(), dtype=ns.dtype, device="cpu",
                       page_size=ns.page_size, torch_threads=ns.threads,
                       max_total_tokens=(max_batch * (context // ns.page_size + 6)) * ns.page_size, **kw)

@@ -81,6 +81,9 @@ class TorchNativeAttnBackend:
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, not {decode_path!r}")
         self.decode_path = decode_path
+        # a padding mask on every decode batch of 2+ requests, even uniform ones: one compiled
+        # graph serves both (set by --enable-torch-compile)
+        self.mask_every_batch = False
         self._ws: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
@@ -93,7 +96,8 @@ class TorchNativeAttnBackend:
         max_len = max(fb.seq_lens_cpu)
         dev = fb.req_to_token.device
         slots = fb.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
-        if min(fb.seq_lens_cpu) == max_len:
+        uniform = min(fb.seq_lens_cpu) == max_len
+        if uniform and not (self.mask_every_batch and fb.batch_size > 1):
             meta = TorchNativeMetadata(kv_index=slots)
         else:
             valid = torch.arange(max_len, device=dev)[None, :] < fb.seq_lens[:, None]  # [B, L]
@@ -177,6 +181,8 @@ class TorchNativeAttnBackend:
         """K and V [n, Hkv, D] of the n = slots.numel() slots, in slots' (flattened) order."""
         flat = slots.reshape(-1)
         kbuf, vbuf = fb.kv_pool.get_k(layer_id), fb.kv_pool.get_v(layer_id)
+        if torch.compiler.is_compiling():  # the compiler plans its own buffers
+            return kbuf.index_select(0, flat), vbuf.index_select(0, flat)
         k_out, v_out = self._workspace(flat.numel(), kbuf)
         return torch.index_select(kbuf, 0, flat, out=k_out), torch.index_select(vbuf, 0, flat, out=v_out)
 

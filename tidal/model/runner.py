@@ -11,6 +11,7 @@ from tidal.config import ServerArgs
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attention import TorchNativeAttnBackend
+from tidal.model.compiled import CompiledDecode, warm_up
 from tidal.model.forward_batch import ForwardBatch
 from tidal.model.loader import load_model, resolve_model_path
 from tidal.model.quant import resolve_quantization
@@ -88,8 +89,19 @@ class ModelRunner:
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
             shm_name=owned_segment_name("kv") if shm else None)  # swept if this rank dies unclean
+        self.compiled = self._compile_decode() if args.enable_torch_compile else None
         logger.info("model %s: %s on %s, quantization %s, KV pool %d tokens%s", args.model_path, self.dtype,
                     self.device, self.quantization, self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
+
+    def _compile_decode(self) -> CompiledDecode:
+        compiled = CompiledDecode(self.model, self.args.torch_compile_max_bs,
+                                  self.args.quantized_max_tokens if self.quantization != "none" else 0)
+        self.attn_backend.mask_every_batch = True
+        logger.info("torch.compile: compiling the decode step for batches of up to %d requests "
+                    "(minutes on a small CPU the first time; cached on disk after)", compiled.max_bs)
+        seconds = warm_up(compiled, self)
+        logger.info("torch.compile: decode step compiled in %.1f s", seconds)
+        return compiled
 
     def _pool_size(self) -> int:
         cfg = self.model_config
@@ -113,5 +125,7 @@ class ModelRunner:
         """Runs the pass (storing the new tokens' KV) and returns float32 logits [N, V] of rows logit_rows of T."""
         with torch.inference_mode():
             self.attn_backend.init_forward_metadata(fb)
+            if self.compiled is not None and self.compiled.takes(fb):
+                return self.compiled(fb)[logit_rows]
             hidden = self.model(fb)  # [T, hidden]
             return self.model.compute_logits(hidden[logit_rows])

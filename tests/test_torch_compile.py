@@ -1,0 +1,108 @@
+"""`--enable-torch-compile`: the decode step compiled by inductor gives the eager step's logits.
+
+The model runs float32 here (the exact path), so compiled and eager may differ only by the
+order of float32 sums inside fused kernels. Compiling costs a minute or so on a small CPU:
+one module-scoped runner serves every in-process test.
+"""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+import torch
+from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
+
+from tidal.bench.step import StepBench
+from tidal.config import ServerArgs, default_model_path
+from tidal.model.forward_batch import ForwardMode
+
+PROMPT_LENS = (23, 40, 9)  # ragged on purpose: batches of 2+ carry a padding mask
+
+
+@pytest.fixture(scope="module")
+def bench():
+    args = ServerArgs(model_path=default_model_path(), dtype="float32", device="cpu", page_size=16,
+                      torch_threads=1, max_total_tokens=16 * 32, enable_torch_compile=True,
+                      torch_compile_max_bs=2)
+    sb = StepBench(args, max_batch=len(PROMPT_LENS), context=64)
+    for row, n in enumerate(PROMPT_LENS):
+        sb.run(sb.batch(ForwardMode.EXTEND, [(row, 0, n)]))
+    return sb
+
+
+def _decode_both(sb: StepBench, rows: list[int], lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Eager and compiled logits of one decode pass (both store the same K/V in the same slots)."""
+    fb = sb.batch(ForwardMode.DECODE, [(r, n, 1) for r, n in zip(rows, lens)])
+    compiled = sb.runner.compiled
+    try:
+        sb.runner.compiled = None
+        eager = sb.run(fb)
+    finally:
+        sb.runner.compiled = compiled
+    fb.attn_metadata = None
+    assert compiled.takes(fb) or len(rows) > compiled.max_bs
+    return eager, sb.run(fb)
+
+
+def test_compiled_decode_matches_eager_and_compiles_nothing_after_start(bench):
+    from torch._dynamo.utils import counters
+
+    assert bench.runner.compiled is not None
+    graphs_at_start = counters["stats"]["unique_graphs"]
+    lens = list(PROMPT_LENS)
+    for step in range(4):  # contexts grow every step: dynamic lengths, no new graph
+        for rows in ([0], [1], [0, 1], [2, 1]):
+            eager, compiled = _decode_both(bench, rows, [lens[r] for r in rows])
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+            assert torch.equal(compiled.argmax(-1), eager.argmax(-1)), (step, rows)
+        for r in range(len(lens)):
+            lens[r] += 1
+    assert counters["stats"]["unique_graphs"] == graphs_at_start
+
+
+def test_batches_over_the_limit_and_prefill_stay_eager(bench):
+    compiled = bench.runner.compiled
+    lens = [n + 8 for n in PROMPT_LENS]
+    fb = bench.batch(ForwardMode.DECODE, [(r, n, 1) for r, n in enumerate(lens)])
+    bench.runner.attn_backend.init_forward_metadata(fb)
+    assert not compiled.takes(fb)  # 3 requests > --torch-compile-max-bs 2
+    fb = bench.batch(ForwardMode.EXTEND, [(0, lens[0] + 1, 4)])
+    bench.runner.attn_backend.init_forward_metadata(fb)
+    assert not compiled.takes(fb)
+
+
+def test_torch_compile_refuses_tensor_parallel():
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        ServerArgs(enable_torch_compile=True, tp_size=2).validate()
+    with pytest.raises(ValueError, match="--torch-compile-max-bs"):
+        ServerArgs(enable_torch_compile=True, torch_compile_max_bs=0).validate()
+
+
+def test_compiled_server_returns_the_eager_servers_tokens():
+    """A server with --enable-torch-compile (overlap scheduling on, the step in its worker thread)
+    answers concurrent greedy requests with the same tokens as an eager server."""
+    import concurrent.futures as cf
+
+    from tests.servers import Server
+
+    prompts = [[1, 504, 3458, 282, 260, 3458, 28, 198], [1, 4428, 314, 253, 7033, 30, 216],
+               [1, 11741, 1326, 2717, 314, 2]]
+
+    def generate(url: str) -> list[list[int]]:
+        def one(ids):
+            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 10, "temperature": 0.0,
+                                                          "ignore_eos": True}}
+            r = httpx.post(url + "/generate", json=body, timeout=300)
+            assert r.status_code == 200, r.text
+            return r.json()["output_ids"]
+        with cf.ThreadPoolExecutor(len(prompts)) as ex:
+            return list(ex.map(one, prompts))
+
+    outputs = {}
+    for name, extra in (("eager", ()), ("compiled", ("--enable-torch-compile", "--torch-compile-max-bs", "2"))):
+        srv = Server("--torch-threads", "1", *extra)
+        try:
+            outputs[name] = generate(srv.url)
+        finally:
+            assert srv.stop() == 0
+    assert outputs["compiled"] == outputs["eager"]

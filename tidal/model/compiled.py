@@ -1,0 +1,94 @@
+"""The decode step compiled with torch.compile (`--enable-torch-compile`).
+
+A decode step of a small model is hundreds of tiny eager ops (norms, RoPE, casts around the
+quantized matmuls, K/V store and gather, residual adds): on CPU their dispatch costs as much as
+the matmuls. Inductor fuses the elementwise ones into generated C++ loops and runs the step as
+one Python call. Only DECODE passes of at most `max_bs` requests take the compiled step;
+prefill (ragged, one attention call per request) and larger batches stay eager.
+
+Shapes are dynamic (batch and context length are symbols), so a server compiles a handful of
+graphs at start-up, not one per (batch, length): batch 1 (torch specialises size 1), batches
+2..quantized-max-tokens (int4 kernels) and larger ones up to max_bs (dense weights). Every
+batch of two or more requests carries a padding mask, so uniform and ragged batches share a
+graph. The graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR), so a restart with
+the same model and flags compiles much faster than the first start.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from tidal.model.forward_batch import ForwardBatch, ForwardMode
+
+logger = logging.getLogger(__name__)
+
+
+class CompiledDecode:
+    """model.compute_logits(model.model(fb)) for DECODE batches of <= max_bs requests, compiled."""
+
+    def __init__(self, model: torch.nn.Module, max_bs: int, quantized_max_tokens: int):
+        import torch._dynamo
+
+        # one graph per (batch class, mask or not, quantized or dense); the default limit of 8 is
+        # shared by all, and a miss falls back to eager silently: leave room
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
+        self.model, self.max_bs = model, max_bs
+        self.quantized_max_tokens = quantized_max_tokens
+        self._step = torch.compile(self._logits, dynamic=True)
+
+    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model.model(fb))
+
+    def takes(self, fb: ForwardBatch) -> bool:
+        meta = fb.attn_metadata
+        return (fb.forward_mode == ForwardMode.DECODE and fb.batch_size <= self.max_bs
+                and getattr(meta, "bag", None) is None)
+
+    def __call__(self, fb: ForwardBatch) -> torch.Tensor:
+        """float32 logits [B, V], one row per request (a decode pass's every row)."""
+        return self._step(fb)
+
+    def warm_up_batch_sizes(self) -> list[int]:
+        """One batch size per graph the server will need (see the module docstring)."""
+        sizes = [1, 2]
+        if self.quantized_max_tokens and self.quantized_max_tokens + 1 <= self.max_bs:
+            sizes.append(self.quantized_max_tokens + 1)
+        return [b for b in sizes if b <= self.max_bs]
+
+
+def warm_up(compiled: CompiledDecode, runner, context: int = 16) -> float:
+    """Compiles every graph now, on dummy requests in the KV pool's dummy page; returns seconds.
+
+    Each dummy request sees `context` tokens, all in slots of page 0 (never handed to a real
+    request, and written by padding anyway), so nothing a live request owns is touched.
+    """
+    t0 = time.perf_counter()
+    dev = runner.kv_pool.device
+    for bs in compiled.warm_up_batch_sizes():
+        # ragged lengths for bs > 1: the masked graph, as live batches mostly are
+        lens = [context - (i % 2) for i in range(bs)]
+        fb = dummy_decode_batch(runner, lens, dev)
+        t1 = time.perf_counter()
+        with torch.inference_mode():
+            runner.attn_backend.init_forward_metadata(fb)
+            compiled(fb)
+        logger.info("torch.compile: decode graph for batch %d ready in %.1f s", bs, time.perf_counter() - t1)
+    return time.perf_counter() - t0
+
+
+def dummy_decode_batch(runner, seq_lens: list[int], dev: torch.device) -> ForwardBatch:
+    bs, max_len = len(seq_lens), max(seq_lens)
+    zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
+    req_to_token = torch.zeros(bs, max_len, dtype=torch.int64, device=dev)  # every slot: 0
+    return ForwardBatch(
+        ForwardMode.DECODE, input_ids=zeros.clone(),
+        positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
+        out_cache_loc=zeros.clone(), req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        extend_prefix_lens=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
+        extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=dev), req_to_token=req_to_token,
+        kv_pool=runner.kv_pool, seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=[n - 1 for n in seq_lens],
+        extend_seq_lens_cpu=[1] * bs)
