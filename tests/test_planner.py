@@ -314,3 +314,15 @@ def test_router_refuses_an_unreadable_profile(tmp_path, capsys):
     for path in (str(tmp_path / "missing.json"), str(bad)):
         assert run_router(parser.parse_args(["--planner", "sla", "--planner-profile", path])) == 2
         assert "--planner-profile" in capsys.readouterr().err
+
+
+def test_ties_go_to_the_worker_with_least_to_drain_counting_router_in_flight():
+    """A decode worker with nothing running may still hold PD requests queued at prefill (the router's
+    in-flight count): moving it means waiting for them, so the planner moves another one."""
+    loads = layout(2, 2, 0, prefill={"running_reqs": 60})
+    busy_decode = loads[2]
+    loads[2] = WorkerLoad(url=busy_decode.url, mode=DECODE, kv_tokens_total=KV, in_flight=40)
+    loads[3] = WorkerLoad(url=loads[3].url, mode=DECODE, kv_tokens_total=KV, running_reqs=1)
+    d = decide(NOW, cfg(), PlannerState(), loads, LONG_PROMPTS, COST)
+    assert d.kind == "move" and d.src == DECODE, d.reason
+    assert d.url == loads[3].url

@@ -124,13 +124,19 @@ def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> An
     return ObservedPredictor(current, cfg.ttft_slo_s, cfg.tpot_slo_s)
 
 
+def drain_work(w: WorkerLoad) -> int:
+    """Requests a move of `w` must wait for: what it reports, or what the router has open on it when
+    that is more (a decode worker holds PD requests whose prefill has not finished yet)."""
+    return max(w.running_reqs + w.waiting_reqs, w.in_flight)
+
+
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
                predictor: Any, load: PoolLoad, traffic: Traffic) -> list[Candidate]:
-    """Every single move, least-loaded workers first (the fastest to drain win ties)."""
+    """Every single move, the fastest workers to drain first (they win ties)."""
     pools = pool_counts(loads)
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
     out = []
-    for w in sorted(loads, key=lambda w: (w.running_reqs + w.waiting_reqs, w.url)):
+    for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
         blocked = state.worker_blocked(now, w.url, cfg)
         for dst in MODES:
             if dst == w.mode:
