@@ -1,4 +1,4 @@
-"""The `tidal` command: serve, router, cluster, bench."""
+"""The `tidal` command: serve, router, cluster, bench, sim."""
 
 from __future__ import annotations
 
@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.cluster import add_cluster_args
 
     add_cluster_args(cluster)
+    sim = sub.add_parser("sim", help="simulate a cluster in virtual time (router, planner, admission as live)", **fmt)
+    from tidal.sim.cli import add_sim_args
+
+    add_sim_args(sim)
     return parser
 
 
@@ -45,6 +49,10 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.leftovers import exit_now
 
         exit_now(run_cluster(args))  # the cluster's processes and shared memory are gone
+    if args.command == "sim":
+        from tidal.sim.cli import run_sim
+
+        return run_sim(args)
     if args.command == "bench":
         from tidal.bench import run_bench
 
