@@ -326,3 +326,16 @@ def test_ties_go_to_the_worker_with_least_to_drain_counting_router_in_flight():
     d = decide(NOW, cfg(), PlannerState(), loads, LONG_PROMPTS, COST)
     assert d.kind == "move" and d.src == DECODE, d.reason
     assert d.url == loads[3].url
+
+
+def test_while_slos_are_met_it_moves_toward_headroom_for_a_burst():
+    """1 prefill : 3 decode at 0.4 long prompts/s meets the SLOs (TTFT ~1.3 s of 3), and 2:2 is barely
+    better there (below the hysteresis); at twice the rate 1:3 breaks the TTFT SLO and 2:2 does not."""
+    traffic = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20)
+    loads = layout(1, 3, 0)
+    off = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
+    assert off.kind == "hold" and "hysteresis" in off.reason and off.current.score < 1
+    d = decide(NOW, cfg(headroom=2.0), PlannerState(), loads, traffic, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and d.reason.startswith("headroom"), d.reason
+    assert d.best.prediction.score < 1  # the move keeps the SLOs at today's rate
+

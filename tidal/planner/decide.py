@@ -2,7 +2,8 @@
 
 Every interval `decide` looks at each legal single move (any worker to any other mode),
 predicts the layout after it, and picks the one with the lowest score. It moves only when
-that beats the current layout by the hysteresis, and never:
+that beats the current layout by the hysteresis (or, while the SLOs are met, when it
+beats it by the hysteresis at `headroom` times the arrival rate), and never:
 - inside the global cooldown after a move (started or finished), nor moves a worker again
   inside its own cooldown;
 - with `max_concurrent_moves` moves already in flight;
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
+
+import msgspec
 
 from tidal.planner.predict import CostPredictor, ObservedPredictor, PoolLoad
 from tidal.planner.schema import (
@@ -150,6 +153,36 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
     return out
 
 
+def headroom_move(now: float, cfg: PlannerConfig, pools: dict[str, int], load: PoolLoad, traffic: Traffic,
+                  current: Prediction, legal: list[Candidate], predictor: Any) -> Optional[Decision]:
+    """While the SLOs are met, the move that best prepares for a burst: layouts compared at
+    `headroom` times the arrival rate, among moves that keep the SLOs at today's rate, with the
+    same hysteresis. Without it the score is flat until a pool saturates, so the planner would
+    only start moving (slowly: drain, switch, cooldown) once the burst is already there."""
+    if cfg.headroom <= 1 or current.score >= 1:
+        return None
+    burst = msgspec.structs.replace(traffic, arrival_rate=traffic.arrival_rate * cfg.headroom)
+    now_burst = predictor.predict(pools, load, burst)
+    by_move: dict[tuple[str, str], Prediction] = {}
+    best: Optional[tuple[float, Candidate]] = None
+    for c in legal:
+        if c.prediction.score >= 1:
+            continue
+        if (c.src, c.dst) not in by_move:
+            by_move[c.src, c.dst] = predictor.predict(after_move(pools, c.src, c.dst), load, burst)
+        score = by_move[c.src, c.dst].score
+        if best is None or score < best[0]:
+            best = (score, c)
+    if best is None:
+        return None
+    score, c = best
+    if now_burst.score - score < max(cfg.hysteresis, MIN_RELATIVE_GAIN * now_burst.score):
+        return None
+    return Decision(at=now, kind="move", url=c.url, src=c.src, dst=c.dst, current=current, best=c,
+                    reason=f"headroom: SLOs met; at {cfg.headroom:g}x the rate the score {now_burst.score:.3f} -> "
+                           f"{score:.3f} moving {c.url} {c.src}->{c.dst}")
+
+
 def _hold(now: float, reason: str, current: Optional[Prediction] = None,
           cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None) -> Decision:
     return Decision(at=now, kind="hold", reason=reason, current=current, candidates=cands or [], best=best)
@@ -183,6 +216,10 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     gain = current.score - best.prediction.score
     needed = max(cfg.hysteresis, MIN_RELATIVE_GAIN * current.score)
     if gain < needed:
+        spare = headroom_move(now, cfg, pools, load, traffic, current, legal, predictor) if cost is not None else None
+        if spare is not None:
+            spare.candidates = cands
+            return spare
         return _hold(now, f"best move {best.src}->{best.dst} lowers the score {current.score:.3f} by "
                           f"{gain:.3f} < {needed:.3f} (hysteresis)", current, cands, best)
     return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current,
