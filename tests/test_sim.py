@@ -246,3 +246,20 @@ def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
 def test_cli_refuses_a_layout_that_does_not_add_up(capsys):
     with pytest.raises(SystemExit):
         main(["sim", "--instances", "4", "--prefill", "3", "--decode", "3"])
+
+
+def test_split_step_refines_around_the_best_split():
+    import argparse
+
+    from tidal.sim.goodput import static_splits
+
+    tried = []
+
+    def measure(p: int) -> dict:
+        tried.append(p)
+        return {"goodput_rps": -abs(p - 22)}
+
+    out = static_splits(argparse.Namespace(instances=64, split_step=8), measure)
+    assert max(out, key=lambda r: r["goodput_rps"]) == {"goodput_rps": 0}
+    assert len(tried) == len(set(tried)) <= 9 + 6
+    assert sorted(tried)[:2] == [1, 9] and 63 in tried

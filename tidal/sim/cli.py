@@ -68,8 +68,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--rate-tolerance", type=float, default=0.03,
                    help="bisection stops when the rate bracket is this narrow, relative (default: 0.03)")
     g.add_argument("--split-step", type=int, default=1,
-                   help="static splits tried: every this-many prefill counts, then the best one's neighbours "
-                        "(default: 1, every split)")
+                   help="static splits tried: every this-many prefill counts, then around the best one at half "
+                        "the step, a quarter, ... 1 (default: 1, every split)")
     add_planner_args(p)
 
 

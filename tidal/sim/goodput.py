@@ -75,14 +75,17 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
 
 
 def static_splits(ns: argparse.Namespace, measure: Callable[[int], dict]) -> list[dict]:
-    """Every split, or every --split-step-th then the best one's untried neighbours."""
+    """Every split; with --split-step K every K-th (and the last), then around the best one at
+    K/2, K/4, ... 1 (the goodput of a split is close to unimodal in P)."""
     n = ns.instances
     step = max(1, ns.split_step)
-    results = {p: measure(p) for p in range(1, n, step)}
-    best = max(results, key=lambda p: results[p]["goodput_rps"])
-    for p in range(max(1, best - step + 1), min(n - 1, best + step - 1) + 1):
-        if p not in results:
-            results[p] = measure(p)
+    results = {p: measure(p) for p in sorted(set(range(1, n, step)) | {n - 1})}
+    while step > 1:
+        step //= 2
+        best = max(results, key=lambda p: results[p]["goodput_rps"])
+        for p in (best - step, best + step):
+            if 1 <= p < n and p not in results:
+                results[p] = measure(p)
     return [results[p] for p in sorted(results)]
 
 
