@@ -94,7 +94,7 @@ def test_chunked_prefill_splits_a_long_prompt():
 # ---------------------------------------------------------------- determinism and conservation
 
 
-SHIFT_ARGS = ["--instances", "6", "--workload", "shift", "--phase-s", "30", "--rate-scale", "3",
+SHIFT_ARGS = ["--instances", "6", "--workload", "shift", "--phase-s", "90", "--rate-scale", "3",
               "--duration-s", "180", "--length-scale", "0.25", "--planner", "sla", "--planner-cooldown-s", "5",
               "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
 
@@ -108,7 +108,7 @@ def test_same_seed_same_json_other_seed_other_json(tmp_path):
 
 
 def test_every_request_ends_exactly_once_across_moves():
-    spec = WorkloadSpec(name="shift", rate_scale=3, duration_s=180, phase_s=30, length_scale=0.25, seed=1)
+    spec = WorkloadSpec(name="shift", rate_scale=3, duration_s=180, phase_s=90, length_scale=0.25, seed=1)
     trace = make_workload(spec)
     planner = PlannerConfig(mode="sla", ttft_slo_s=8, tpot_slo_s=0.2, cooldown_s=5)
     c = Cluster(SimConfig(prefill=3, decode=3, planner=planner), CostModel.from_file(default_profile()),
@@ -153,7 +153,7 @@ def default_profile() -> str:
 
 
 def test_planner_moves_toward_prefill_in_a_code_like_phase(tmp_path):
-    d = sim_json(tmp_path, "code", "--instances", "8", "--workload", "shift", "--phase-s", "60", "--rate-scale",
+    d = sim_json(tmp_path, "code", "--instances", "8", "--workload", "shift", "--phase-s", "240", "--rate-scale",
                  "4", "--duration-s", "240", "--length-scale", "0.25", "--planner", "sla",
                  "--planner-cooldown-s", "10", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
     assert d["moves"] and (d["moves"][0]["src"], d["moves"][0]["dst"]) == ("decode", "prefill")
@@ -162,10 +162,10 @@ def test_planner_moves_toward_prefill_in_a_code_like_phase(tmp_path):
 
 def test_planner_moves_toward_decode_in_a_chat_like_phase(tmp_path):
     d = sim_json(tmp_path, "chat", "--instances", "8", "--prefill", "6", "--decode", "2", "--workload", "shift",
-                 "--phase-s", "40", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",
+                 "--phase-s", "120", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",
                  "--planner", "sla", "--planner-cooldown-s", "10", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
     to_decode = [m for m in d["moves"] if m["dst"] == "decode"]
-    assert any(int(m["started"] // 40) % 2 == 1 for m in to_decode)  # odd phases are chat-like
+    assert any(int(m["started"] // 40) % 2 == 1 for m in to_decode)  # odd phases (40 virtual s) are chat-like
 
 
 def test_static_planner_never_moves(tmp_path):
@@ -206,12 +206,15 @@ def test_shift_alternates_long_prompts_and_long_answers():
     assert CODE_LIKE[0] > CHAT_LIKE[0] and CHAT_LIKE[1] > CODE_LIKE[1]
 
 
-def test_azure_shift_takes_each_trace_in_turn():
+def test_azure_shift_takes_each_trace_in_turn_and_scales_like_the_others():
     mixed = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60))
     code = make_workload(WorkloadSpec(name="azure-code", duration_s=240))
     conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=240))
     assert mixed == [r for r in code if r.arrival < 60] + [r for r in conv if 60 <= r.arrival < 120] + \
         [r for r in code if 120 <= r.arrival < 180] + [r for r in conv if 180 <= r.arrival < 240]
+    fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5))
+    assert [r.input_tokens for r in fast] == [r.input_tokens for r in mixed]
+    assert [r.arrival * 2.5 for r in fast] == pytest.approx([r.arrival for r in mixed])
 
 
 # ---------------------------------------------------------------- goodput search and CLI

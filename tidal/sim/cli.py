@@ -46,7 +46,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of workload at rate scale 1: the run's arrivals span duration / rate scale "
                         "virtual seconds (default: 300)")
     p.add_argument("--phase-s", type=float, default=120.0,
-                   help="shift / azure-shift: virtual seconds per phase (default: 120)")
+                   help="shift / azure-shift: seconds per phase at rate scale 1 (phase-s / rate-scale virtual "
+                        "seconds) (default: 120)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="prompt and output token counts multiplied by this (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (synthetic arrivals, random policies) (default: 0)")

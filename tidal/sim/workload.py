@@ -5,10 +5,15 @@
   by the rate scale (the same requests at every scale, so a goodput search compares like
   with like; the run lasts duration_s / rate_scale virtual seconds);
 - shift: synthetic Poisson arrivals (1 request/s at scale 1, same scaling) alternating every
-  `phase_s` virtual seconds between a code-like mix (long prompts, short answers) and a
-  chat-like mix (short prompts, long answers);
-- azure-shift: the two Azure traces alternating every `phase_s` virtual seconds (code first),
-  each replayed at the rate scale.
+  `phase_s` seconds (of the workload's own clock: phase_s / rate_scale virtual seconds)
+  between a code-like mix (long prompts, short answers) and a chat-like mix (short prompts,
+  long answers);
+- azure-shift: the two Azure traces alternating every `phase_s` seconds of trace clock (code
+  first), then divided by the rate scale like the others.
+
+Every workload gives the same requests at every rate scale, only closer together: the
+goodput search's attainment then moves with the rate alone, not with which slice of a
+bursty trace a rate happens to pick.
 
 Deterministic: the same seed gives the same requests.
 """
@@ -45,7 +50,7 @@ class WorkloadSpec:
     name: str = "azure-code"
     rate_scale: float = 1.0  # arrivals per second multiplied by this
     duration_s: float = 300.0  # seconds of workload at rate scale 1
-    phase_s: float = 120.0  # shift / azure-shift: seconds per phase
+    phase_s: float = 120.0  # shift / azure-shift: seconds per phase at rate scale 1
     length_scale: float = 1.0  # prompt and output tokens multiplied by this (at least 1)
     trace: Optional[str] = None  # a CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or the trace directory
     seed: int = 0
@@ -80,20 +85,21 @@ def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
         t += rng.expovariate(SHIFT_BASE_RATE)
         if t >= spec.duration_s:
             return out
-        at = t / spec.rate_scale
-        prompt, output = CODE_LIKE if int(at // spec.phase_s) % 2 == 0 else CHAT_LIKE
-        out.append(TraceRequest(at, _scaled(rng.lognormvariate(math.log(prompt), LENGTH_SIGMA), spec.length_scale),
+        prompt, output = CODE_LIKE if int(t // spec.phase_s) % 2 == 0 else CHAT_LIKE
+        out.append(TraceRequest(t / spec.rate_scale,
+                                _scaled(rng.lognormvariate(math.log(prompt), LENGTH_SIGMA), spec.length_scale),
                                 _scaled(rng.lognormvariate(math.log(output), LENGTH_SIGMA), spec.length_scale)))
 
 
 def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
-    """Virtual phase k takes the code trace's (k even) or the conv trace's (k odd) arrivals of its span."""
+    """Phase k (trace seconds [k * phase_s, (k + 1) * phase_s)) from the code trace (k even) or the conv
+    trace (k odd), then the clock divided by the rate scale."""
     traces = (_trace_rows("azure-code", None), _trace_rows("azure-conv", None))
-    end_all = spec.duration_s / spec.rate_scale
     out: list[TraceRequest] = []
     k = 0
-    while k * spec.phase_s < end_all:
-        out += replay(traces[k % 2], spec, k * spec.phase_s, (k + 1) * spec.phase_s)
+    while k * spec.phase_s < spec.duration_s:
+        start, end = k * spec.phase_s / spec.rate_scale, (k + 1) * spec.phase_s / spec.rate_scale
+        out += replay(traces[k % 2], spec, start, end)
         k += 1
     return out
 
