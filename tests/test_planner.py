@@ -339,3 +339,28 @@ def test_while_slos_are_met_it_moves_toward_headroom_for_a_burst():
     assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and d.reason.startswith("headroom"), d.reason
     assert d.best.prediction.score < 1  # the move keeps the SLOs at today's rate
 
+
+
+def test_a_heavy_tailed_prompt_mix_costs_more_than_its_mean_prompt():
+    """Same mean prompt (1000 tokens); on a convex prefill curve the spread mix takes longer per request
+    and waits longer (M/G/1), so its predicted TTFT is higher, enough to move a decode worker."""
+    convex = dict(PROFILE, prefill=[{"tokens": 1, "seconds": 0.001}, {"tokens": 1000, "seconds": 1.0},
+                                    {"tokens": 4000, "seconds": 10.0}])
+    cost = CostModel.from_dict(convex)
+    even = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20, input_tokens_deciles=[1000] * 10)
+    spread = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20,
+                     input_tokens_deciles=[250] * 8 + [4000] * 2)
+    loads = layout(1, 3, 0)
+    a = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, even, cost)
+    b = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, spread, cost)
+    assert b.current.paths["pd"].ttft_s > 2 * a.current.paths["pd"].ttft_s
+    assert a.kind == "hold" and b.kind == "move", (a.reason, b.reason)
+    assert b.src == DECODE and b.dst in (PREFILL, NULL)  # a worker that prefills
+
+
+def test_window_reports_prompt_length_deciles():
+    w = TrafficWindow(30.0, 0.0)
+    for n in range(1, 101):
+        w.completion(1.0, Observation(path="pd", prompt_tokens=n, completion_tokens=5))
+    assert w.traffic(2.0).input_tokens_deciles == [6, 16, 26, 36, 46, 56, 66, 76, 86, 96]
+    assert TrafficWindow(30.0, 0.0).traffic(1.0).input_tokens_deciles == []

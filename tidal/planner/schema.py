@@ -31,6 +31,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     """What the router observed over the planner's window."""
     arrival_rate: float = 0.0  # requests per second
     mean_input_tokens: float = 0.0
+    # the prompt lengths' deciles (the middle of each tenth, p5 ... p95): prefill cost is convex in the
+    # length, so a heavy-tailed mix costs more than its mean prompt; empty: unknown
+    input_tokens_deciles: list[int] = []
     mean_output_tokens: float = 0.0
     completed: int = 0
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
