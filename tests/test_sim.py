@@ -266,3 +266,11 @@ def test_split_step_refines_around_the_best_split():
     assert max(out, key=lambda r: r["goodput_rps"]) == {"goodput_rps": 0}
     assert len(tried) == len(set(tried)) <= 9 + 6
     assert sorted(tried)[:2] == [1, 9] and 63 in tried
+
+
+def test_cli_goodput_layouts_picks_what_to_search(tmp_path):
+    d = sim_json(tmp_path, "only", "goodput", "--instances", "3", "--null", "1", "--prefill", "1", "--decode", "1",
+                 "--workload", "azure-conv", "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000",
+                 "--tpot-slo-ms", "200", "--rate-tolerance", "0.1", "--layouts", "planner")
+    assert [r["layout"] for r in d["results"]] == ["planner from 1:1 + 1 null"]
+    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_headroom"] == 2.0

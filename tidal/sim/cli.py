@@ -71,6 +71,8 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--split-step", type=int, default=1,
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
+    g.add_argument("--layouts", default="colocated,static,planner",
+                   help="which of colocated, static (the splits), planner to search (default: all three)")
     add_planner_args(p)
 
 

@@ -93,22 +93,33 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     n = ns.instances
     _, p0, d0 = layout(ns)
     start = max(ns.rate_scale, 1e-3)
-    colocated = goodput_of(ns, Layout("colocated", n, 0, 0, "static"), cost, planner_cost, start)
-    last = [colocated["rate_scale"] or start]
+    which = set(ns.layouts.split(","))
+    results: list[dict] = []
+    last = [start]
+    if "colocated" in which:
+        results.append(goodput_of(ns, Layout("colocated", n, 0, 0, "static"), cost, planner_cost, start))
+        last[0] = results[-1]["rate_scale"] or start
 
     def measure(p: int) -> dict:
         r = goodput_of(ns, Layout(f"static {p}:{n - p}", 0, p, n - p, "static"), cost, planner_cost, last[0])
         last[0] = r["rate_scale"] or start
         return r
 
-    statics = static_splits(ns, measure)
-    best = max(statics, key=lambda r: r["goodput_rps"])
-    best["best_static"] = True
-    planner = goodput_of(ns, Layout(f"planner from {p0}:{d0}", ns.null, p0, d0, "sla"), cost, planner_cost,
-                         best["rate_scale"] or start)
-    ratio = planner["goodput_rps"] / best["goodput_rps"] if best["goodput_rps"] else None
+    best = None
+    if "static" in which:
+        statics = static_splits(ns, measure)
+        best = max(statics, key=lambda r: r["goodput_rps"])
+        best["best_static"] = True
+        results += statics
+    if "planner" in which:
+        start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
+        results.append(goodput_of(ns, Layout(f"planner from {start_name}", ns.null, p0, d0, "sla"), cost,
+                                  planner_cost, (best or {}).get("rate_scale") or last[0]))
+    ratio = None
+    if best and best["goodput_rps"] and "planner" in which:
+        ratio = round(results[-1]["goodput_rps"] / best["goodput_rps"], 3)
     return {"simulated": True, "instances": n, "workload": ns.workload, "duration_s": ns.duration_s,
             "phase_s": ns.phase_s, "length_scale": ns.length_scale, "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
-            "results": [colocated, *statics, planner], "best_static": best["layout"],
-            "planner_vs_best_static": None if ratio is None else round(ratio, 3)}
+            "planner_flags": {k: v for k, v in sorted(vars(ns).items()) if k.startswith("planner_")},
+            "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}
