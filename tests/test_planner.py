@@ -364,3 +364,17 @@ def test_window_reports_prompt_length_deciles():
         w.completion(1.0, Observation(path="pd", prompt_tokens=n, completion_tokens=5))
     assert w.traffic(2.0).input_tokens_deciles == [6, 16, 26, 36, 46, 56, 66, 76, 86, 96]
     assert TrafficWindow(30.0, 0.0).traffic(1.0).input_tokens_deciles == []
+
+
+def test_in_a_large_cluster_the_gain_of_the_direction_counts_not_of_one_worker():
+    """32:32 under long prompts: one more prefill worker lowers the score by only ~0.02 (below the
+    hysteresis), 16 more by ~0.16. The planner starts moving that way, one worker at a time."""
+    loads = layout(32, 32, 0)
+    traffic = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20)
+    d = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
+    assert d.current.score - d.best.prediction.score < 0.1 < d.current.score - d.best.target.score
+    assert d.best.target_moves > 1 and "heading for" in d.reason
+    # the other way is worse at every step: no move back from the layout it heads for
+    back = decide(NOW, cfg(headroom=1.0), PlannerState(), layout(48, 16, 0), traffic, COST)
+    assert back.kind == "hold" or (back.src, back.dst) == (DECODE, PREFILL), back.reason

@@ -62,6 +62,9 @@ class Candidate(msgspec.Struct, kw_only=True):
     legal: bool
     reason: str = ""  # why it is not legal
     prediction: Optional[Prediction] = None
+    # the best layout further along the same direction (k workers src -> dst, k = 1, 2, 4, ...)
+    target: Optional[Prediction] = None
+    target_moves: int = 1
 
 
 class Decision(msgspec.Struct, kw_only=True):
