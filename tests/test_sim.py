@@ -273,4 +273,4 @@ def test_cli_goodput_layouts_picks_what_to_search(tmp_path):
                  "--workload", "azure-conv", "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000",
                  "--tpot-slo-ms", "200", "--rate-tolerance", "0.1", "--layouts", "planner")
     assert [r["layout"] for r in d["results"]] == ["planner from 1:1 + 1 null"]
-    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_headroom"] == 2.0
+    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_headroom"] == 1.0
