@@ -21,7 +21,7 @@ def _subparsers() -> dict[str, argparse.ArgumentParser]:
     return dict(sub.choices)
 
 
-@pytest.mark.parametrize("command", ["serve", "router", "cluster", "bench", "profile"])
+@pytest.mark.parametrize("command", ["serve", "router", "cluster", "bench", "profile", "sim"])
 def test_every_flag_has_help_with_its_default(command: str) -> None:
     p = _subparsers()[command]
     formatter = p._get_formatter()

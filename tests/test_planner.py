@@ -314,3 +314,67 @@ def test_router_refuses_an_unreadable_profile(tmp_path, capsys):
     for path in (str(tmp_path / "missing.json"), str(bad)):
         assert run_router(parser.parse_args(["--planner", "sla", "--planner-profile", path])) == 2
         assert "--planner-profile" in capsys.readouterr().err
+
+
+def test_ties_go_to_the_worker_with_least_to_drain_counting_router_in_flight():
+    """A decode worker with nothing running may still hold PD requests queued at prefill (the router's
+    in-flight count): moving it means waiting for them, so the planner moves another one."""
+    loads = layout(2, 2, 0, prefill={"running_reqs": 60})
+    busy_decode = loads[2]
+    loads[2] = WorkerLoad(url=busy_decode.url, mode=DECODE, kv_tokens_total=KV, in_flight=40)
+    loads[3] = WorkerLoad(url=loads[3].url, mode=DECODE, kv_tokens_total=KV, running_reqs=1)
+    d = decide(NOW, cfg(), PlannerState(), loads, LONG_PROMPTS, COST)
+    assert d.kind == "move" and d.src == DECODE, d.reason
+    assert d.url == loads[3].url
+
+
+def test_while_slos_are_met_it_moves_toward_headroom_for_a_burst():
+    """1 prefill : 3 decode at 0.4 long prompts/s meets the SLOs (TTFT ~1.3 s of 3), and 2:2 is barely
+    better there (below the hysteresis); at twice the rate 1:3 breaks the TTFT SLO and 2:2 does not."""
+    traffic = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20)
+    loads = layout(1, 3, 0)
+    off = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
+    assert off.kind == "hold" and "hysteresis" in off.reason and off.current.score < 1
+    d = decide(NOW, cfg(headroom=2.0), PlannerState(), loads, traffic, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and d.reason.startswith("headroom"), d.reason
+    assert d.best.prediction.score < 1  # the move keeps the SLOs at today's rate
+
+
+
+def test_a_heavy_tailed_prompt_mix_costs_more_than_its_mean_prompt():
+    """Same mean prompt (1000 tokens); on a convex prefill curve the spread mix takes longer per request
+    and waits longer (M/G/1), so its predicted TTFT is higher, enough to move a decode worker."""
+    convex = dict(PROFILE, prefill=[{"tokens": 1, "seconds": 0.001}, {"tokens": 1000, "seconds": 1.0},
+                                    {"tokens": 4000, "seconds": 10.0}])
+    cost = CostModel.from_dict(convex)
+    even = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20, input_tokens_deciles=[1000] * 10)
+    spread = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20,
+                     input_tokens_deciles=[250] * 8 + [4000] * 2)
+    loads = layout(1, 3, 0)
+    a = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, even, cost)
+    b = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, spread, cost)
+    assert b.current.paths["pd"].ttft_s > 2 * a.current.paths["pd"].ttft_s
+    assert a.kind == "hold" and b.kind == "move", (a.reason, b.reason)
+    assert b.src == DECODE and b.dst in (PREFILL, NULL)  # a worker that prefills
+
+
+def test_window_reports_prompt_length_deciles():
+    w = TrafficWindow(30.0, 0.0)
+    for n in range(1, 101):
+        w.completion(1.0, Observation(path="pd", prompt_tokens=n, completion_tokens=5))
+    assert w.traffic(2.0).input_tokens_deciles == [6, 16, 26, 36, 46, 56, 66, 76, 86, 96]
+    assert TrafficWindow(30.0, 0.0).traffic(1.0).input_tokens_deciles == []
+
+
+def test_in_a_large_cluster_the_gain_of_the_direction_counts_not_of_one_worker():
+    """32:32 under long prompts: one more prefill worker lowers the score by only ~0.02 (below the
+    hysteresis), 16 more by ~0.16. The planner starts moving that way, one worker at a time."""
+    loads = layout(32, 32, 0)
+    traffic = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20)
+    d = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
+    assert d.current.score - d.best.prediction.score < 0.1 < d.current.score - d.best.target.score
+    assert d.best.target_moves > 1 and "heading for" in d.reason
+    # the other way is worse at every step: no move back from the layout it heads for
+    back = decide(NOW, cfg(headroom=1.0), PlannerState(), layout(48, 16, 0), traffic, COST)
+    assert back.kind == "hold" or (back.src, back.dst) == (DECODE, PREFILL), back.reason

@@ -1,4 +1,4 @@
-"""The `tidal` command: serve, router, cluster, bench, profile."""
+"""The `tidal` command: serve, router, cluster, bench, profile, sim."""
 
 from __future__ import annotations
 
@@ -32,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     from tidal.profile.cli import add_profile_args
 
     add_profile_args(profile)
+    sim = sub.add_parser("sim", help="simulate a cluster in virtual time (router, planner, admission as live)", **fmt)
+    from tidal.sim.cli import add_sim_args
+
+    add_sim_args(sim)
     return parser
 
 
@@ -54,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
         from tidal.profile.cli import run_profile_cli
 
         return run_profile_cli(args)
+    if args.command == "sim":
+        from tidal.sim.cli import run_sim
+
+        return run_sim(args)
     if args.command == "bench":
         from tidal.bench import run_bench
 

@@ -2,7 +2,8 @@
 
 Every interval `decide` looks at each legal single move (any worker to any other mode),
 predicts the layout after it, and picks the one with the lowest score. It moves only when
-that beats the current layout by the hysteresis, and never:
+that beats the current layout by the hysteresis (or, while the SLOs are met, when it
+beats it by the hysteresis at `headroom` times the arrival rate), and never:
 - inside the global cooldown after a move (started or finished), nor moves a worker again
   inside its own cooldown;
 - with `max_concurrent_moves` moves already in flight;
@@ -19,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 from typing import Any, Optional
+
+import msgspec
 
 from tidal.planner.predict import CostPredictor, ObservedPredictor, PoolLoad
 from tidal.planner.schema import (
@@ -124,13 +127,40 @@ def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> An
     return ObservedPredictor(current, cfg.ttft_slo_s, cfg.tpot_slo_s)
 
 
+def drain_work(w: WorkerLoad) -> int:
+    """Requests a move of `w` must wait for: what it reports, or what the router has open on it when
+    that is more (a decode worker holds PD requests whose prefill has not finished yet)."""
+    return max(w.running_reqs + w.waiting_reqs, w.in_flight)
+
+
+def along(predictor: Any, pools: dict[str, int], load: PoolLoad, traffic: Traffic, src: str, dst: str,
+          min_per_pool: int) -> tuple[Optional[Prediction], int]:
+    """The best legal layout after k = 1, 2, 4, ... workers move src -> dst, and its k. In a large
+    cluster one worker changes the score by about 1/N, too little to pass the hysteresis even when
+    the layout is far from the best one; the gain that counts is the direction's."""
+    best: Optional[Prediction] = None
+    best_k, k = 1, 1
+    while k <= pools[src]:
+        layout = dict(pools)
+        layout[src] -= k
+        layout[dst] += k
+        if layout_problem(layout, src, min_per_pool):
+            break
+        pred = predictor.predict(layout, load, traffic)
+        if pred is not None and (best is None or pred.score < best.score):
+            best, best_k = pred, k
+        k *= 2
+    return best, best_k
+
+
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
                predictor: Any, load: PoolLoad, traffic: Traffic) -> list[Candidate]:
-    """Every single move, least-loaded workers first (the fastest to drain win ties)."""
+    """Every single move, the fastest workers to drain first (they win ties)."""
     pools = pool_counts(loads)
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
+    targets: dict[tuple[str, str], tuple[Optional[Prediction], int]] = {}
     out = []
-    for w in sorted(loads, key=lambda w: (w.running_reqs + w.waiting_reqs, w.url)):
+    for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
         blocked = state.worker_blocked(now, w.url, cfg)
         for dst in MODES:
             if dst == w.mode:
@@ -139,9 +169,48 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
             reason = blocked or layout_problem(layout, w.mode, cfg.min_per_pool)
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = predictor.predict(layout, load, traffic)
+                targets[w.mode, dst] = (along(predictor, pools, load, traffic, w.mode, dst, cfg.min_per_pool)
+                                        if not layout_problem(layout, w.mode, cfg.min_per_pool) else (None, 1))
             pred = predictions[w.mode, dst]
-            out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason, prediction=pred))
+            target, k = targets[w.mode, dst]
+            out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason, prediction=pred,
+                                 target=target, target_moves=k))
     return out
+
+
+def goal(c: Candidate) -> Prediction:
+    """What a move heads for: the best layout along its direction, or the move alone."""
+    return c.target if c.target is not None and c.target.score < c.prediction.score else c.prediction
+
+
+def headroom_move(now: float, cfg: PlannerConfig, pools: dict[str, int], load: PoolLoad, traffic: Traffic,
+                  current: Prediction, legal: list[Candidate], predictor: Any) -> Optional[Decision]:
+    """While the SLOs are met, the move that best prepares for a burst: layouts compared at
+    `headroom` times the arrival rate, among moves that keep the SLOs at today's rate, with the
+    same hysteresis. Without it the score is flat until a pool saturates, so the planner would
+    only start moving (slowly: drain, switch, cooldown) once the burst is already there."""
+    if cfg.headroom <= 1 or current.score >= 1:
+        return None
+    burst = msgspec.structs.replace(traffic, arrival_rate=traffic.arrival_rate * cfg.headroom)
+    now_burst = predictor.predict(pools, load, burst)
+    by_move: dict[tuple[str, str], Prediction] = {}
+    best: Optional[tuple[float, Candidate]] = None
+    for c in legal:
+        if c.prediction.score >= 1:
+            continue
+        if (c.src, c.dst) not in by_move:
+            by_move[c.src, c.dst] = along(predictor, pools, load, burst, c.src, c.dst, cfg.min_per_pool)[0]
+        score = by_move[c.src, c.dst].score
+        if best is None or score < best[0]:
+            best = (score, c)
+    if best is None:
+        return None
+    score, c = best
+    if now_burst.score - score < max(cfg.hysteresis, MIN_RELATIVE_GAIN * now_burst.score):
+        return None
+    return Decision(at=now, kind="move", url=c.url, src=c.src, dst=c.dst, current=current, best=c,
+                    reason=f"headroom: SLOs met; at {cfg.headroom:g}x the rate the score {now_burst.score:.3f} -> "
+                           f"{score:.3f} moving {c.url} {c.src}->{c.dst}")
 
 
 def _hold(now: float, reason: str, current: Optional[Prediction] = None,
@@ -162,7 +231,9 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no observed TTFT/TPOT yet (streamed requests) and no --planner-profile")
     cands = candidates(now, cfg, state, loads, predictor, load, traffic)
     legal = [c for c in cands if c.legal and c.prediction is not None]
-    best = min(legal, key=lambda c: c.prediction.score) if legal else None
+    # a first step must not make things worse on its own, whatever lies further along
+    steps = [c for c in legal if c.prediction.score <= current.score or goal(c) is c.prediction]
+    best = min(steps, key=lambda c: goal(c).score) if steps else None
     if len(state.in_flight) >= cfg.max_concurrent_moves:
         return _hold(now, f"{len(state.in_flight)} move(s) in flight", current, cands, best)
     cooldown = state.cooldown_left(now, cfg)
@@ -174,12 +245,18 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no request finished in the window yet: lengths unknown", current, cands, best)
     if best is None:
         return _hold(now, "no legal move", current, cands)
-    gain = current.score - best.prediction.score
+    gain = current.score - goal(best).score
     needed = max(cfg.hysteresis, MIN_RELATIVE_GAIN * current.score)
     if gain < needed:
+        spare = headroom_move(now, cfg, pools, load, traffic, current, steps, predictor) if cost is not None else None
+        if spare is not None:
+            spare.candidates = cands
+            return spare
         return _hold(now, f"best move {best.src}->{best.dst} lowers the score {current.score:.3f} by "
                           f"{gain:.3f} < {needed:.3f} (hysteresis)", current, cands, best)
+    ahead = (f" (heading for {goal(best).score:.3f} after {best.target_moves} such moves)"
+             if goal(best) is not best.prediction else "")
     return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current,
                     best=best, candidates=cands,
-                    reason=f"score {current.score:.3f} -> {best.prediction.score:.3f} moving {best.url} "
+                    reason=f"score {current.score:.3f} -> {best.prediction.score:.3f}{ahead} moving {best.url} "
                            f"{best.src}->{best.dst}")

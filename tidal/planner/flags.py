@@ -12,7 +12,8 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-worker-cooldown-s", "planner_worker_cooldown_s"),
                ("--planner-min-per-pool", "planner_min_per_pool"),
                ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
-               ("--planner-window-s", "planner_window_s"), ("--planner-profile", "planner_profile"))
+               ("--planner-window-s", "planner_window_s"), ("--planner-headroom", "planner_headroom"),
+               ("--planner-profile", "planner_profile"))
 
 
 def add_planner_args(parser: argparse.ArgumentParser) -> None:
@@ -38,6 +39,9 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                    help=f"moves in flight at once (default: {d.max_concurrent_moves})")
     g.add_argument("--planner-window-s", type=float, default=d.window_s,
                    help=f"the sliding window of observed arrivals and latencies, seconds (default: {d.window_s:g})")
+    g.add_argument("--planner-headroom", type=float, default=d.headroom,
+                   help=f"while the SLOs are met, move toward the layout that best absorbs this multiple of the "
+                        f"arrival rate (needs --planner-profile; 1 turns it off) (default: {d.headroom:g})")
     g.add_argument("--planner-profile", default=None, metavar="PATH",
                    help="a `tidal profile` JSON: predict with its cost model (default: none; then the planner "
                         "scales the observed latencies by load)")
@@ -47,7 +51,8 @@ def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
     return PlannerConfig(mode=ns.planner, ttft_slo_s=ns.ttft_slo_ms / 1000, tpot_slo_s=ns.tpot_slo_ms / 1000,
                          interval_s=ns.planner_interval_s, cooldown_s=ns.planner_cooldown_s,
                          worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
-                         max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s)
+                         max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s,
+                         headroom=ns.planner_headroom)
 
 
 def planner_argv(ns: argparse.Namespace) -> list[str]:

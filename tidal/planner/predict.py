@@ -10,10 +10,13 @@ With a cost model (a profile; lambda = arrival rate, I and O = mean input and ou
 tokens over the window, T = the planner interval):
 
 - prefill worker (PD path): a queue. Each takes lambda_w = lambda * share / P requests per
-  second of p = prefill_seconds(I) each; utilisation rho = lambda_w * p. TTFT = backlog +
-  wait(rho) + p + kv_transfer_seconds(I), where backlog = the pool's queued prefill tokens
-  (from /get_load) / P at I/p tokens per second, and wait = rho*p / (2(1-rho)) (M/D/1),
-  capped at T, and T*rho once rho >= 1 (the queue grows through the interval).
+  second of p seconds each, p = the mean of prefill_seconds over the window's prompt-length
+  deciles (prefill is convex in the length: a heavy-tailed mix costs more than its mean
+  prompt; prefill_seconds(I) when no deciles); utilisation rho = lambda_w * p. TTFT =
+  backlog + wait(rho) + p + kv_transfer_seconds(I), where backlog = the pool's queued
+  prefill tokens (from /get_load) / P at I/p tokens per second, and wait = lambda_w *
+  E[s^2] / (2(1-rho)) (M/G/1, the second moment over the same deciles), capped at T, and
+  T*rho once rho >= 1 (the queue grows through the interval).
 - decode worker (PD path): TPOT = decode_step_seconds(B, B*(I + O/2)) at the batch B that
   Little's law gives, B = lambda_w * O * TPOT (solved by iteration), at least the pool's
   running requests / D now, at most the KV capacity max_total_tokens / (I + O). At that
@@ -38,7 +41,7 @@ on PD prefill workers, TP pairing, the capacity lost while a worker drains and s
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from tidal.planner.schema import (
     DECODE,
@@ -105,6 +108,7 @@ class CostPredictor:
 
     def __init__(self, cost: Any, ttft_slo_s: float, tpot_slo_s: float, interval_s: float) -> None:
         self.cost = cost
+        self.deciles: Sequence[int] = ()
         self.ttft_slo_s, self.tpot_slo_s, self.interval_s = ttft_slo_s, tpot_slo_s, interval_s
 
     def predict(self, pools: dict[str, int], load: PoolLoad, traffic: Traffic) -> Prediction:
@@ -112,6 +116,7 @@ class CostPredictor:
         if not shares:
             return Prediction(pools=dict(pools), paths={}, score=UNSERVABLE, note="no path serves requests")
         inp = max(traffic.mean_input_tokens, 1.0)
+        self.deciles = traffic.input_tokens_deciles
         out = max(traffic.mean_output_tokens, 1.0)
         paths = {}
         for path, share in shares.items():
@@ -123,12 +128,20 @@ class CostPredictor:
         return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),
                           note="cost model")
 
-    def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float) -> tuple[float, float]:
-        """(TTFT without transfer or decode, utilisation) of one worker's prefill queue."""
-        p = self.cost.prefill_seconds(int(inp))
+    def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float,
+                       deciles: Sequence[int] = ()) -> tuple[float, float]:
+        """(TTFT without transfer or decode, utilisation) of one worker's prefill queue. With the prompt
+        lengths' deciles: the mean and the second moment of the prefill time over them (M/G/1)."""
+        if deciles:
+            times = [self.cost.prefill_seconds(int(n)) for n in deciles]
+            p = sum(times) / len(times)
+            residual = sum(t * t for t in times) / len(times) / (2 * p) if p > 0 else 0.0
+        else:
+            p = self.cost.prefill_seconds(int(inp))
+            residual = p / 2
         rho = lam_w * p
         backlog_s = backlog_tokens * p / inp
-        return backlog_s + queue_wait(rho, p, self.interval_s) + p, rho
+        return backlog_s + queue_wait(rho, 2 * residual, self.interval_s) + p, rho
 
     def _batch_cap(self, inp: float, out: float, load: PoolLoad) -> float:
         capacity = getattr(self.cost, "max_total_tokens", 0) or load.kv_tokens_total
@@ -154,14 +167,15 @@ class CostPredictor:
 
     def _pd(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
         n_p, n_d = pools[PREFILL], pools[DECODE]
-        prefill_ttft, _ = self._prefill_queue(lam / n_p, load.queued_prefill_tokens[PREFILL] / n_p, inp)
+        prefill_ttft, _ = self._prefill_queue(lam / n_p, load.queued_prefill_tokens[PREFILL] / n_p, inp,
+                                              self.deciles)
         tpot, extra = self._decode(lam / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0)
         return prefill_ttft + self.cost.kv_transfer_seconds(int(inp)) + extra, tpot
 
     def _whole(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
         mode, n = whole_workers(pools)
         lam_w = lam / n
-        prefill_ttft, rho = self._prefill_queue(lam_w, load.queued_prefill_tokens[mode] / n, inp)
+        prefill_ttft, rho = self._prefill_queue(lam_w, load.queued_prefill_tokens[mode] / n, inp, self.deciles)
         tpot, extra = self._decode(lam_w, load.running[mode] / n, inp, out, load, rho)
         return prefill_ttft + tpot + extra, tpot
 

@@ -31,6 +31,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     """What the router observed over the planner's window."""
     arrival_rate: float = 0.0  # requests per second
     mean_input_tokens: float = 0.0
+    # the prompt lengths' deciles (the middle of each tenth, p5 ... p95): prefill cost is convex in the
+    # length, so a heavy-tailed mix costs more than its mean prompt; empty: unknown
+    input_tokens_deciles: list[int] = []
     mean_output_tokens: float = 0.0
     completed: int = 0
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
@@ -59,6 +62,9 @@ class Candidate(msgspec.Struct, kw_only=True):
     legal: bool
     reason: str = ""  # why it is not legal
     prediction: Optional[Prediction] = None
+    # the best layout further along the same direction (k workers src -> dst, k = 1, 2, 4, ...)
+    target: Optional[Prediction] = None
+    target_moves: int = 1
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -84,6 +90,7 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     min_per_pool: int = 1  # prefill and decode pools never shrink below this (null may empty)
     max_concurrent_moves: int = 1
     hysteresis: float = 0.1  # a move must lower the score by this much (absolute) and by 10% of it
+    headroom: float = 1.0  # while the SLOs are met, compare layouts at this multiple of the rate (1: off)
     window_s: float = 30.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
@@ -95,6 +102,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
         if self.interval_s <= 0 or self.window_s <= 0:
             raise ValueError("--planner-interval-s and --planner-window-s must be positive")
+        if self.headroom < 1:
+            raise ValueError("--planner-headroom must be >= 1")
         if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
             raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
                              "--planner-max-concurrent-moves >= 1")

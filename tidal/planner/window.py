@@ -116,10 +116,17 @@ class TrafficWindow:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
         return Traffic(arrival_rate=len(self.arrivals) / span,
                        mean_input_tokens=_mean([o.prompt_tokens for o in counted]),
+                       input_tokens_deciles=deciles([o.prompt_tokens for o in counted]),
                        mean_output_tokens=_mean([o.completion_tokens for o in counted]),
                        completed=len(done),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
+
+
+def deciles(values: list) -> list:
+    """The middle value of each tenth of the sorted values (p5, p15, ... p95); [] when empty."""
+    xs = sorted(values)
+    return [xs[int((i + 0.5) * len(xs) / 10)] for i in range(10)] if xs else []
 
 
 def _mean(values: list) -> float:

@@ -24,8 +24,8 @@ from tidal.planner.window import Observation, StreamTally, body_token_counts, st
 from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
-from tidal.router.policies import Policy
-from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
+from tidal.router.policies import Policy, plan_route
+from tidal.router.workers import DECODE, PREFILL, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -165,28 +165,9 @@ class Dispatcher:
 
     # ------------------------------------------------------------ planning
 
-    def _pick(self, pool: list[Worker], role: str, text: str, tried: set[str]) -> Worker:
-        fresh = [w for w in pool if w.url not in tried]
-        return self.policies[role].select(fresh or pool, text)
-
     def plan(self, text: str, tried: set[str]) -> Optional[tuple[str, Worker, Optional[Worker]]]:
         """("pd", prefill, decode) or ("whole", worker, None); None when nothing can serve."""
-        reg = self.registry
-        prefills, decodes, nulls = reg.pool(PREFILL), reg.pool(DECODE), reg.pool(NULL)
-        if self.cfg.enforce_disaggregation:
-            nulls = []
-        pairable = [p for p in prefills if any(can_pair(p, d) for d in decodes)]
-        pd_ok = bool(pairable)
-        if nulls and pd_ok:  # both paths: join the shorter queue, ties to the whole path (no transfer)
-            pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
-        if pd_ok:
-            p = self._pick(pairable, PREFILL, text, tried)
-            return "pd", p, self._pick([d for d in decodes if can_pair(p, d)], DECODE, text, tried)
-        if nulls:
-            return "whole", self._pick(nulls, NULL, text, tried), None
-        if decodes and not prefills and not self.cfg.enforce_disaggregation:
-            return "whole", self._pick(decodes, DECODE, text, tried), None  # decode prefills locally
-        return None
+        return plan_route(self.registry, self.policies, text, tried, self.cfg.enforce_disaggregation)
 
     def _unavailable(self) -> Response:
         if self.cfg.enforce_disaggregation and not self.registry.has_pd_path():

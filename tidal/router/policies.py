@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
-from tidal.router.workers import Worker
+from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
 
 POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
 
@@ -182,3 +182,31 @@ def make_policy(name: str, cache_threshold: float = 0.5, balance_abs_threshold: 
     if name == "cache_aware":
         return CacheAwarePolicy(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICIES)}")
+
+
+def pick(policies: Mapping[str, Policy], pool: list[Worker], role: str, text: str, tried: set[str]) -> Worker:
+    """The pool's policy over the workers not tried yet (all of them once every one was)."""
+    fresh = [w for w in pool if w.url not in tried]
+    return policies[role].select(fresh or pool, text)
+
+
+def plan_route(registry: WorkerRegistry, policies: Mapping[str, Policy], text: str, tried: set[str],
+               enforce_disaggregation: bool = False) -> Optional[tuple[str, Worker, Optional[Worker]]]:
+    """Where one request goes: ("pd", prefill, decode) or ("whole", worker, None); None when nothing
+    can serve. With both paths open it joins the shorter queue (decode vs null load scores), ties
+    to the whole path (no transfer). The router's dispatcher and `tidal sim` call it."""
+    prefills, decodes, nulls = registry.pool(PREFILL), registry.pool(DECODE), registry.pool(NULL)
+    if enforce_disaggregation:
+        nulls = []
+    pairable = [p for p in prefills if any(can_pair(p, d) for d in decodes)]
+    pd_ok = bool(pairable)
+    if nulls and pd_ok:
+        pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
+    if pd_ok:
+        p = pick(policies, pairable, PREFILL, text, tried)
+        return "pd", p, pick(policies, [d for d in decodes if can_pair(p, d)], DECODE, text, tried)
+    if nulls:
+        return "whole", pick(policies, nulls, NULL, text, tried), None
+    if decodes and not prefills and not enforce_disaggregation:
+        return "whole", pick(policies, decodes, DECODE, text, tried), None  # decode prefills locally
+    return None

@@ -15,9 +15,9 @@ from tidal.messages import FinishReason
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import compute_prompt_logprobs
 from tidal.scheduler.policy import (
-    AddResult,
     PrefillAdder,
     SchedulePolicy,
+    admit_waiting,
     match_prefix_for,
 )
 from tidal.scheduler.req import Req
@@ -82,16 +82,9 @@ class BatchPlanner:
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
         s = self.s
-        slots = s.mem.req_to_token_pool.available_size()
-        for req in s.waiting_queue:
-            if adder.new_chunked_req is not None:
-                break
-            n_new = sum(1 for r in adder.can_run_list if r.req_pool_idx is None)
-            if running_bs + len(adder.can_run_list) >= s.max_running_requests or n_new >= slots:
-                break
-            match_prefix_for(req, s.mem.tree_cache)
-            if adder.add_one_req(req) != AddResult.CONTINUE:
-                break
+        tree_cache = s.mem.tree_cache
+        admit_waiting(adder, s.waiting_queue, running_bs, s.max_running_requests,
+                      s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache))
 
     def prefill_or_decode(self) -> Optional[ScheduleBatch]:
         """Prefill first (new or retracted requests), else one decode step of the running batch."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import random
 from collections import defaultdict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from tidal.scheduler.req import Req
 
@@ -180,3 +180,23 @@ class PrefillAdder:
         self.can_run_list.append(req)
         self.new_chunked_req = req
         self._take(trunc, 0)
+
+
+def admit_waiting(adder: PrefillAdder, waiting: list, running_bs: int, max_running_requests: int,
+                  free_slots: int, match: Callable[[Any], None]) -> None:
+    """Fill `adder` from the waiting queue, in order, until a budget stops it.
+
+    Stops at the first request that does not fit (no skipping ahead), once a chunked request
+    was started, at `max_running_requests` (running plus admitted), or when the new requests
+    would take more than `free_slots` request slots. `match` sets a request's cached prefix
+    before it is tried. Pure over its arguments: the live scheduler and `tidal sim` call it.
+    """
+    for req in waiting:
+        if adder.new_chunked_req is not None:
+            break
+        n_new = sum(1 for r in adder.can_run_list if r.req_pool_idx is None)
+        if running_bs + len(adder.can_run_list) >= max_running_requests or n_new >= free_slots:
+            break
+        match(req)
+        if adder.add_one_req(req) != AddResult.CONTINUE:
+            break

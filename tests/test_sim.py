@@ -1,0 +1,276 @@
+"""`tidal sim`: determinism, conservation, hand-computed latencies, the planner's direction,
+the shipped trace, the live code it shares, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from tidal.cli import main
+from tidal.planner.schema import PlannerConfig
+from tidal.profile.cost import CostModel
+from tidal.sim.engine import Cluster, SimConfig
+from tidal.sim.goodput import search_rate
+from tidal.sim.instance import Limits
+from tidal.sim.workload import CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, make_workload
+
+
+def flat_cost(prefill_s: float = 1.0, step_s: float = 0.1, transfer_s: float = 0.5, kv: int = 100000,
+              switch_s: float = 0.25) -> CostModel:
+    """Constant costs: a prefill batch takes prefill_s whatever its size, a decode step step_s."""
+    return CostModel.from_dict({
+        "version": 1, "server": {"max_total_tokens": kv},
+        "prefill": [{"tokens": 1, "seconds": prefill_s}, {"tokens": 100000, "seconds": prefill_s}],
+        "decode": [{"batch": b, "context_tokens": c, "step_seconds": step_s} for b in (1, 64) for c in (0, kv)],
+        "kv_transfer": [{"tokens": 1, "bytes": 1, "seconds": transfer_s},
+                        {"tokens": 100000, "bytes": 1, "seconds": transfer_s}],
+        "switch": [{"src": s, "dst": d, "seconds": switch_s} for s in ("null", "prefill", "decode")
+                   for d in ("null", "prefill", "decode") if s != d],
+    })
+
+
+def run(trace: list[TraceRequest], cost: CostModel, **kw) -> Cluster:
+    return Cluster(SimConfig(**kw), cost, trace).run()
+
+
+def latencies(c: Cluster) -> list[tuple[float, float]]:
+    return [tuple(round(x, 9) for x in c.ttft_tpot(r)) for r in c.requests]
+
+
+def sim_json(tmp_path, name: str, *args: str) -> dict:
+    out = tmp_path / f"{name}.json"
+    assert main(["sim", *args, "--output", str(out)]) == 0
+    return json.loads(out.read_text())
+
+
+# ---------------------------------------------------------------- hand-computed cases
+
+
+def test_null_server_queues_and_stalls_decode_as_computed_by_hand():
+    """One null server, 1 s per prefill, 0.1 s per decode step. A arrives at 0, B at 0.5, two tokens
+    each. A prefills [0, 1]; at 1 the scheduler prefers B's prefill [1, 2] (A's decode waits);
+    one decode step [2, 2.1] ends both."""
+    c = run([TraceRequest(0.0, 100, 2), TraceRequest(0.5, 100, 2)], flat_cost(), null=1, prefill=0, decode=0)
+    assert latencies(c) == [(1.0, 1.1), (1.5, 0.1)]
+    assert [r.finished_at for r in c.requests] == pytest.approx([2.1, 2.1])
+
+
+def test_requests_arriving_together_share_one_prefill_batch():
+    c = run([TraceRequest(0.0, 100, 3)] * 3, flat_cost(), null=1, prefill=0, decode=0)
+    assert latencies(c) == [(1.0, 0.1)] * 3
+
+
+def test_pd_request_pays_prefill_transfer_then_decodes():
+    """Prefill [0, 1], KV transfer [1, 1.5], first token when it joins the decode batch at 1.5,
+    two decode steps to 1.7."""
+    c = run([TraceRequest(0.0, 100, 3)], flat_cost(), null=0, prefill=1, decode=1)
+    assert latencies(c) == [(1.5, 0.1)]
+    assert c.requests[0].finished_at == pytest.approx(1.7)
+    assert c.requests[0].path == "pd"
+
+
+def test_admission_is_the_live_prefill_adder_under_the_running_limit():
+    """--max-running-requests 2: the third request waits for a slot (live admission code), so it
+    prefills only after the first two finish."""
+    from tidal.config import ServerArgs
+
+    trace = [TraceRequest(0.0, 100, 3)] * 3
+    c = Cluster(SimConfig(null=1, prefill=0, decode=0), flat_cost(), trace,
+                Limits(ServerArgs(max_running_requests=2))).run()
+    assert latencies(c)[:2] == [(1.0, 0.1)] * 2
+    assert latencies(c)[2] == (2.2, 0.1)  # after [0,1] prefill and two decode steps to 1.2
+
+
+def test_chunked_prefill_splits_a_long_prompt():
+    from tidal.config import ServerArgs
+
+    c = Cluster(SimConfig(null=1, prefill=0, decode=0), flat_cost(), [TraceRequest(0.0, 5000, 2)],
+                Limits(ServerArgs(chunked_prefill_size=2048))).run()
+    assert latencies(c) == [(3.0, 0.1)]  # three chunks of 1 s each
+
+
+# ---------------------------------------------------------------- determinism and conservation
+
+
+SHIFT_ARGS = ["--instances", "6", "--workload", "shift", "--phase-s", "90", "--rate-scale", "3",
+              "--duration-s", "180", "--length-scale", "0.25", "--planner", "sla", "--planner-cooldown-s", "5",
+              "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
+
+
+def test_same_seed_same_json_other_seed_other_json(tmp_path):
+    a = sim_json(tmp_path, "a", *SHIFT_ARGS, "--seed", "7")
+    b = sim_json(tmp_path, "b", *SHIFT_ARGS, "--seed", "7")
+    c = sim_json(tmp_path, "c", *SHIFT_ARGS, "--seed", "8")
+    assert a == b
+    assert a["summary"] != c["summary"]
+
+
+def test_every_request_ends_exactly_once_across_moves():
+    spec = WorkloadSpec(name="shift", rate_scale=3, duration_s=180, phase_s=90, length_scale=0.25, seed=1)
+    trace = make_workload(spec)
+    planner = PlannerConfig(mode="sla", ttft_slo_s=8, tpot_slo_s=0.2, cooldown_s=5)
+    c = Cluster(SimConfig(prefill=3, decode=3, planner=planner), CostModel.from_file(default_profile()),
+                trace).run()
+    assert len(c.moves) >= 2 and any(m.outcome == "ok" for m in c.moves)
+    assert sorted(r.rid for r in c.requests) == list(range(len(trace)))
+    assert c.ended == len(trace) and all(r.outcome == "finished" for r in c.requests)
+    assert all(r.generated == r.output_len for r in c.requests)
+    for inst in c.instances.values():  # nothing held, nothing leaked
+        assert (inst.kv_used, inst.assigned, inst.sending) == (0, 0, 0)
+        assert not (inst.waiting or inst.running or inst.arrived or inst.chunked)
+    assert all(w.in_flight == 0 and not w.switching for w in c.registry.all())
+
+
+def test_a_drain_longer_than_the_switch_timeout_fails_and_the_worker_stays():
+    """A decode worker busy with a 1000-token answer (100 s at 0.1 s/step) cannot drain in 60 s."""
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 1000)])
+    c.at(5.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
+    c.run()
+    (move,) = c.moves
+    assert move.outcome.startswith("failed") and move.ended == pytest.approx(65.0)
+    assert c.registry.get(move.worker).mode == "decode" and c.requests[0].outcome == "finished"
+
+
+def test_a_move_waits_for_the_drain_then_pays_the_switch():
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 30)])
+    c.at(2.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
+    c.run()
+    (move,) = c.moves
+    # finished at 1.5 + 29 * 0.1 = 4.4; switch 0.25 s
+    assert (move.outcome, move.drained, move.ended) == ("ok", pytest.approx(4.4), pytest.approx(4.65))
+    assert c.registry.get(move.worker).mode == "prefill"
+
+
+# ---------------------------------------------------------------- the planner in the sim
+
+
+def default_profile() -> str:
+    from tidal.sim.cli import DEFAULT_PROFILE
+
+    return DEFAULT_PROFILE
+
+
+def test_planner_moves_toward_prefill_in_a_code_like_phase(tmp_path):
+    d = sim_json(tmp_path, "code", "--instances", "8", "--workload", "shift", "--phase-s", "240", "--rate-scale",
+                 "4", "--duration-s", "240", "--length-scale", "0.25", "--planner", "sla",
+                 "--planner-cooldown-s", "10", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    assert d["moves"] and (d["moves"][0]["src"], d["moves"][0]["dst"]) == ("decode", "prefill")
+    assert d["moves"][0]["started"] < 60  # inside the code-like phase
+
+
+def test_planner_moves_toward_decode_in_a_chat_like_phase(tmp_path):
+    d = sim_json(tmp_path, "chat", "--instances", "8", "--prefill", "6", "--decode", "2", "--workload", "shift",
+                 "--phase-s", "120", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",
+                 "--planner", "sla", "--planner-cooldown-s", "10", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    to_decode = [m for m in d["moves"] if m["dst"] == "decode"]
+    assert any(int(m["started"] // 40) % 2 == 1 for m in to_decode)  # odd phases (40 virtual s) are chat-like
+
+
+def test_static_planner_never_moves(tmp_path):
+    d = sim_json(tmp_path, "static", *[a if a != "sla" else "static" for a in SHIFT_ARGS])
+    assert d["moves"] == [] and len(d["pools"]) == 1
+
+
+# ---------------------------------------------------------------- workloads
+
+
+def test_shipped_azure_traces_load_with_their_attribution():
+    for name in ("azure-code", "azure-conv"):
+        reqs = make_workload(WorkloadSpec(name=name, duration_s=120))
+        assert len(reqs) > 50 and all(r.input_tokens > 0 and r.output_tokens > 0 for r in reqs)
+        assert reqs == sorted(reqs, key=lambda r: r.arrival) and reqs[-1].arrival < 120
+    import tidal.bench.datasets as ds
+
+    folder = ds.default_azure_dir()
+    readme = open(os.path.join(folder, "README.md")).read()
+    assert "Creative Commons Attribution 4.0" in readme and "Azure" in readme
+    assert "Attribution 4.0 International" in open(os.path.join(folder, "LICENSE")).read()
+
+
+def test_rate_scale_compresses_the_same_requests():
+    one = make_workload(WorkloadSpec(name="azure-conv", duration_s=60))
+    four = make_workload(WorkloadSpec(name="azure-conv", duration_s=60, rate_scale=4))
+    assert [(r.input_tokens, r.output_tokens) for r in one] == [(r.input_tokens, r.output_tokens) for r in four]
+    assert [r.arrival / 4 for r in one] == pytest.approx([r.arrival for r in four])
+
+
+def test_shift_alternates_long_prompts_and_long_answers():
+    reqs = make_workload(WorkloadSpec(name="shift", duration_s=600, phase_s=100, rate_scale=1))
+    code = [r for r in reqs if int(r.arrival // 100) % 2 == 0]
+    chat = [r for r in reqs if int(r.arrival // 100) % 2 == 1]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    assert mean([r.input_tokens for r in code]) > 3 * mean([r.input_tokens for r in chat])
+    assert mean([r.output_tokens for r in chat]) > 5 * mean([r.output_tokens for r in code])
+    assert CODE_LIKE[0] > CHAT_LIKE[0] and CHAT_LIKE[1] > CODE_LIKE[1]
+
+
+def test_azure_shift_takes_each_trace_in_turn_and_scales_like_the_others():
+    mixed = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60))
+    code = make_workload(WorkloadSpec(name="azure-code", duration_s=240))
+    conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=240))
+    assert mixed == [r for r in code if r.arrival < 60] + [r for r in conv if 60 <= r.arrival < 120] + \
+        [r for r in code if 120 <= r.arrival < 180] + [r for r in conv if 180 <= r.arrival < 240]
+    fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5))
+    assert [r.input_tokens for r in fast] == [r.input_tokens for r in mixed]
+    assert [r.arrival * 2.5 for r in fast] == pytest.approx([r.arrival for r in mixed])
+
+
+# ---------------------------------------------------------------- goodput search and CLI
+
+
+def test_search_rate_finds_the_threshold():
+    assert search_rate(lambda x: x <= 3.3, 1.0, 0.01) == pytest.approx(3.3, rel=0.011)
+    assert search_rate(lambda x: x <= 0.2, 1.0, 0.01) == pytest.approx(0.2, rel=0.011)
+    assert search_rate(lambda x: False, 1.0, 0.01) == 0.0
+
+
+def test_cli_writes_json_and_png(tmp_path):
+    png = tmp_path / "run.png"
+    d = sim_json(tmp_path, "run", *SHIFT_ARGS, "--duration-s", "40", "--plot", str(png))
+    assert png.stat().st_size > 10000 and png.read_bytes()[:4] == b"\x89PNG"
+    s = d["summary"]
+    assert s["requests"] == s["finished"] > 0 and 0 <= s["slo_attainment"] <= 1
+    assert set(s["ttft_ms"]) == {"p50", "p99"} and d["config"]["simulated"] is True
+    assert d["pools"][0] == {"t": 0.0, "null": 0, "prefill": 3, "decode": 3, "moving": 0}
+
+
+def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
+    d = sim_json(tmp_path, "goodput", "goodput", "--instances", "3", "--workload", "azure-conv",
+                 "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200",
+                 "--rate-tolerance", "0.1")
+    names = [r["layout"] for r in d["results"]]
+    assert names == ["colocated", "static 1:2", "static 2:1", "planner from 1:2"]
+    assert sum(1 for r in d["results"] if r.get("best_static")) == 1
+    assert all(r["goodput_rps"] > 0 for r in d["results"])
+
+
+def test_cli_refuses_a_layout_that_does_not_add_up(capsys):
+    with pytest.raises(SystemExit):
+        main(["sim", "--instances", "4", "--prefill", "3", "--decode", "3"])
+
+
+def test_split_step_refines_around_the_best_split():
+    import argparse
+
+    from tidal.sim.goodput import static_splits
+
+    tried = []
+
+    def measure(p: int) -> dict:
+        tried.append(p)
+        return {"goodput_rps": -abs(p - 22)}
+
+    out = static_splits(argparse.Namespace(instances=64, split_step=8), measure)
+    assert max(out, key=lambda r: r["goodput_rps"]) == {"goodput_rps": 0}
+    assert len(tried) == len(set(tried)) <= 9 + 6
+    assert sorted(tried)[:2] == [1, 9] and 63 in tried
+
+
+def test_cli_goodput_layouts_picks_what_to_search(tmp_path):
+    d = sim_json(tmp_path, "only", "goodput", "--instances", "3", "--null", "1", "--prefill", "1", "--decode", "1",
+                 "--workload", "azure-conv", "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000",
+                 "--tpot-slo-ms", "200", "--rate-tolerance", "0.1", "--layouts", "planner")
+    assert [r["layout"] for r in d["results"]] == ["planner from 1:1 + 1 null"]
+    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_headroom"] == 1.0

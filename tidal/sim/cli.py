@@ -1,0 +1,152 @@
+"""`tidal sim` (one simulated run) and `tidal sim goodput` (the goodput comparison)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+from typing import Any, Optional
+
+import msgspec
+
+from tidal.config import ServerArgs
+from tidal.planner.flags import add_planner_args, planner_config_from_namespace
+from tidal.router.policies import POLICIES
+from tidal.sim.engine import Cluster, SimConfig
+from tidal.sim.instance import Limits
+from tidal.sim.report import plot, report
+from tidal.sim.workload import WORKLOADS, WorkloadSpec, make_workload, virtual_span
+
+DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
+                               "smollm2_cpu_2core.json")
+
+
+def add_sim_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("action", nargs="?", choices=("run", "goodput"), default="run",
+                   help="run: one simulated run; goodput: the highest rate meeting the SLOs, for colocated, "
+                        "every static P:D split and the planner (default: run)")
+    p.add_argument("--instances", type=int, default=16, help="simulated servers (default: 16)")
+    p.add_argument("--prefill", type=int, default=None,
+                   help="prefill servers at the start (default: half of those not --null)")
+    p.add_argument("--decode", type=int, default=None, help="decode servers at the start (default: the rest)")
+    p.add_argument("--null", type=int, default=0, help="null (colocated) servers at the start (default: 0)")
+    p.add_argument("--profile", default=DEFAULT_PROFILE,
+                   help="the `tidal profile` JSON giving every step's cost (default: the shipped "
+                        "tidal/profile/data/smollm2_cpu_2core.json); the planner uses it too unless "
+                        "--planner-profile is given")
+    p.add_argument("--workload", choices=WORKLOADS, default="azure-code",
+                   help="azure-code|azure-conv: the Azure LLM inference trace 2023; shift: synthetic code-like and "
+                        "chat-like phases; azure-shift: the two traces alternating (default: azure-code)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="an Azure trace CSV for azure-code/azure-conv (default: the copy shipped in tidal/bench/data)")
+    p.add_argument("--rate-scale", type=float, default=1.0,
+                   help="arrival rate multiplier: the trace's clock is divided by it (default: 1)")
+    p.add_argument("--duration-s", type=float, default=300.0,
+                   help="seconds of workload at rate scale 1: the run's arrivals span duration / rate scale "
+                        "virtual seconds (default: 300)")
+    p.add_argument("--phase-s", type=float, default=120.0,
+                   help="shift / azure-shift: seconds per phase at rate scale 1 (phase-s / rate-scale virtual "
+                        "seconds) (default: 120)")
+    p.add_argument("--length-scale", type=float, default=1.0,
+                   help="prompt and output token counts multiplied by this (default: 1)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (synthetic arrivals, random policies) (default: 0)")
+    p.add_argument("--policy", choices=POLICIES, default="cache_aware",
+                   help="the router's load-balancing policy in every pool (default: cache_aware)")
+    d = ServerArgs()
+    p.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help=f"per server, as `tidal serve` (default: {d.chunked_prefill_size})")
+    p.add_argument("--max-running-requests", type=int, default=d.max_running_requests,
+                   help=f"per server, as `tidal serve` (default: {d.max_running_requests})")
+    p.add_argument("--max-prefill-tokens", type=int, default=d.max_prefill_tokens,
+                   help=f"per server, as `tidal serve` (default: {d.max_prefill_tokens})")
+    p.add_argument("--output", default=None, metavar="PATH", help="write the JSON report here (default: stdout)")
+    p.add_argument("--plot", default=None, metavar="PATH",
+                   help="run: a PNG of pools over time and latency vs SLO (default: none)")
+    g = p.add_argument_group("goodput search")
+    g.add_argument("--target-attainment", type=float, default=0.9,
+                   help="fraction of requests meeting both SLOs that counts as good (default: 0.9, DistServe's)")
+    g.add_argument("--rate-tolerance", type=float, default=0.03,
+                   help="bisection stops when the rate bracket is this narrow, relative (default: 0.03)")
+    g.add_argument("--split-step", type=int, default=1,
+                   help="static splits tried: every this-many prefill counts, then around the best one at half "
+                        "the step, a quarter, ... 1 (default: 1, every split)")
+    g.add_argument("--layouts", default="colocated,static,planner",
+                   help="which of colocated, static (the splits), planner to search (default: all three)")
+    add_planner_args(p)
+
+
+def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
+    n, k = ns.instances, ns.null
+    p, d = ns.prefill, ns.decode
+    if p is None and d is None:
+        p = (n - k) // 2
+    if p is None:
+        p = n - k - d
+    if d is None:
+        d = n - k - p
+    if min(n, k, p, d) < 0 or k + p + d != n:
+        raise SystemExit(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}")
+    if not k and not (p and d):
+        raise SystemExit("need a null server, or a prefill and a decode server")
+    return k, p, d
+
+
+def load_cost(path: str) -> Any:
+    from tidal.profile.cost import CostModel
+
+    return CostModel.from_file(path)
+
+
+def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
+    return WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
+                        duration_s=ns.duration_s, phase_s=ns.phase_s, length_scale=ns.length_scale,
+                        trace=ns.trace, seed=ns.seed)
+
+
+def limits(ns: argparse.Namespace) -> Limits:
+    return Limits(ServerArgs(chunked_prefill_size=ns.chunked_prefill_size,
+                             max_running_requests=ns.max_running_requests, max_prefill_tokens=ns.max_prefill_tokens))
+
+
+def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode: str, rate_scale: float,
+             cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
+    planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode=mode)
+    cfg = SimConfig(null=null, prefill=prefill, decode=decode, planner=planner, policy=ns.policy, seed=ns.seed,
+                    stop_after_miss_fraction=stop_after_miss)
+    trace = make_workload(workload_spec(ns, rate_scale))
+    return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
+
+
+def run_config(ns: argparse.Namespace) -> dict:
+    k, p, d = layout(ns)
+    return {"instances": ns.instances, "null": k, "prefill": p, "decode": d, "planner": ns.planner,
+            "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
+            "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
+            "limits": vars(limits(ns)), "simulated": True}
+
+
+def write_json(obj: Any, path: Optional[str]) -> None:
+    data = msgspec.json.format(msgspec.json.encode(obj), indent=2)
+    if path:
+        with open(path, "wb") as f:
+            f.write(data + b"\n")
+    else:
+        sys.stdout.write(data.decode() + "\n")
+
+
+def run_sim(ns: argparse.Namespace) -> int:
+    cost = load_cost(ns.profile)
+    planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
+    if ns.action == "goodput":
+        from tidal.sim.goodput import run_goodput
+
+        write_json(run_goodput(ns, cost, planner_cost), ns.output)
+        return 0
+    k, p, d = layout(ns)
+    c = simulate(ns, k, p, d, ns.planner, ns.rate_scale, cost, planner_cost)
+    write_json(report(c, run_config(ns), virtual_span(workload_spec(ns))), ns.output)
+    if ns.plot:
+        plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
+                         f"{ns.instances} instances, planner {ns.planner}")
+    return 0

@@ -1,0 +1,332 @@
+"""The simulated cluster, in virtual time: a heap of events (arrivals, step ends, KV
+transfers, health refreshes, planner ticks, move phases).
+
+What is the live code, called as is:
+- routing: `tidal.router.policies.plan_route` over a real `WorkerRegistry` of `Worker`
+  records (their `load` refreshed every health-check interval, `in_flight` kept by
+  `begin`/`end` as the dispatcher does), with the router's pool policies;
+- the planner: `tidal.planner.decide.decide` with a `PlannerState`, fed `pool_loads`
+  of the registry (the loop's own function) and a `TrafficWindow`, on the virtual clock;
+- admission: `PrefillAdder` + `admit_waiting` inside each instance (instance.py).
+
+A move follows the live drain-switch path: the worker leaves every pool, finishes what it
+holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
+the router's switch timeout fails the move and the worker returns to its pool.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import random
+from typing import Any, Callable, Optional
+
+from tidal.planner.decide import PlannerState, decide
+from tidal.planner.loop import pool_loads
+from tidal.planner.schema import NULL_PATH, PD_PATH, PlannerConfig
+from tidal.planner.window import Observation, TrafficWindow
+from tidal.router.config import RouterConfig
+from tidal.router.policies import CacheAwarePolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, plan_route
+from tidal.router.workers import WorkerRegistry
+from tidal.sim.instance import DECODE, NULL, PREFILL, Limits, SimInstance, SimReq, Step
+from tidal.sim.workload import TraceRequest
+
+MODES = (NULL, PREFILL, DECODE)
+
+
+@dataclasses.dataclass
+class SimConfig:
+    null: int = 0
+    prefill: int = 1
+    decode: int = 1
+    planner: PlannerConfig = dataclasses.field(default_factory=PlannerConfig)
+    policy: str = "cache_aware"
+    health_check_interval_s: float = 5.0
+    switch_timeout_s: float = 60.0
+    seed: int = 0
+    # stop once this fraction of requests has missed an SLO (the goodput search needs no more)
+    stop_after_miss_fraction: Optional[float] = None
+    drain_limit_s: float = 600.0  # after the last arrival, requests still open then end "unfinished"
+
+
+def make_policies(name: str, seed: int) -> dict[str, Policy]:
+    """The router's per-pool policies, seeded so that a run is reproducible."""
+    rc = RouterConfig()
+
+    def one(i: int) -> Policy:
+        if name == "random":
+            return RandomPolicy(seed * 3 + i)
+        if name == "power_of_two":
+            return PowerOfTwoPolicy(seed * 3 + i)
+        if name == "round_robin":
+            return RoundRobinPolicy()
+        if name == "cache_aware":
+            return CacheAwarePolicy(rc.cache_threshold, rc.balance_abs_threshold, rc.balance_rel_threshold,
+                                    rc.max_tree_size)
+        raise ValueError(f"unknown policy {name!r}")
+
+    return {mode: one(i) for i, mode in enumerate(MODES)}
+
+
+@dataclasses.dataclass
+class Move:
+    worker: str
+    src: str
+    dst: str
+    started: float
+    drained: Optional[float] = None
+    ended: Optional[float] = None
+    outcome: str = ""
+
+
+class Cluster:
+    def __init__(self, cfg: SimConfig, cost: Any, trace: list[TraceRequest], limits: Optional[Limits] = None,
+                 planner_cost: Any = None) -> None:
+        self.cfg, self.cost = cfg, cost
+        self.planner_cost = planner_cost or cost  # what the planner predicts with (the sim's own by default)
+        self.limits = limits or Limits()
+        self.now = 0.0
+        self._heap: list[tuple[float, int, Callable, Any]] = []
+        self._seq = 0
+        self.registry = WorkerRegistry()
+        self.instances: dict[str, SimInstance] = {}
+        layout = [NULL] * cfg.null + [PREFILL] * cfg.prefill + [DECODE] * cfg.decode
+        for i, mode in enumerate(layout):
+            url = f"http://sim-{i:03d}:30000"
+            self.registry.add(url, mode, healthy=True)
+            inst = SimInstance(url, mode, cost, self.limits)
+            inst.on_first_token = self._first_token_on_decode
+            self.instances[url] = inst
+        self.policies = make_policies(cfg.policy, cfg.seed)
+        self.window = TrafficWindow(cfg.planner.window_s, 0.0)
+        self.state = PlannerState()
+        self.requests = [SimReq(i, t.arrival, t.input_tokens, t.output_tokens) for i, t in enumerate(trace)]
+        self.moves: list[Move] = []
+        self._moving: dict[str, Move] = {}
+        self.pools: list[dict] = []
+        self.decisions: dict[str, int] = {}
+        self.ended = 0
+        self.missed = 0
+        self.stopped_early = False
+        self.rng = random.Random(cfg.seed)
+
+    # ------------------------------------------------------------ events
+
+    def at(self, t: float, fn: Callable, arg: Any = None) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (t, self._seq, fn, arg))
+
+    def run(self) -> "Cluster":
+        for r in self.requests:
+            self.at(r.arrival, self._arrive, r)
+        self._refresh_loads()
+        self._record_pools()
+        last = self.requests[-1].arrival if self.requests else 0.0
+        self.at(self.cfg.health_check_interval_s, self._health_tick)
+        if self.cfg.planner.mode == "sla":
+            self.at(self.cfg.planner.interval_s, self._planner_tick)
+        horizon = last + self.cfg.drain_limit_s
+        limit = self.cfg.stop_after_miss_fraction
+        total = len(self.requests)
+        while self._heap and (self.ended < total or self._moving):
+            t, _, fn, arg = heapq.heappop(self._heap)
+            if t > horizon:
+                break
+            self.now = t
+            fn(arg)
+            if limit is not None and self.missed > limit * total:
+                self.stopped_early = True
+                break
+        for r in self.requests:
+            if not r.outcome:
+                r.outcome = "unfinished"
+        return self
+
+    def _health_tick(self, _: Any) -> None:
+        self._refresh_loads()
+        self.at(self.now + self.cfg.health_check_interval_s, self._health_tick)
+
+    def _refresh_loads(self) -> None:
+        for w in self.registry.all():
+            w.load = self.instances[w.url].load()
+
+    # ------------------------------------------------------------ requests
+
+    def _arrive(self, r: SimReq) -> None:
+        self.window.arrival(self.now)
+        route = plan_route(self.registry, self.policies, "", set())
+        if route is None:
+            self._end(r, "rejected")
+            return
+        kind, w, d = route
+        self.registry.begin(w)
+        inst = self.instances[w.url]
+        inst.assigned += 1
+        inst.waiting.append(r)
+        if kind == "pd":
+            r.path, r.prefill_url, r.decode_url = PD_PATH, w.url, d.url
+            self.registry.begin(d)
+            self.instances[d.url].assigned += 1
+        else:
+            r.path, r.decode_url = NULL_PATH, w.url
+        self._wake(inst)
+
+    def _wake(self, inst: SimInstance) -> None:
+        """New work: the server looks at it after every other event of this instant (the live scheduler
+        receives all pending requests before it schedules)."""
+        if inst.step is None and not inst.wake_pending:
+            inst.wake_pending = True
+            self.at(self.now, self._woken, inst)
+
+    def _woken(self, inst: SimInstance) -> None:
+        inst.wake_pending = False
+        self._kick(inst)
+
+    def _kick(self, inst: SimInstance) -> None:
+        if inst.step is not None:
+            return
+        step = inst.next_step()
+        if step is not None:
+            inst.step = step
+            self.at(self.now + step.seconds, self._step_done, inst)
+        self._check_drain(inst)
+
+    def _step_done(self, inst: SimInstance) -> None:
+        step: Step = inst.step
+        inst.step = None
+        inst.busy_s += step.seconds
+        if step.kind == "prefill":
+            self._prefilled(inst, step)
+        else:
+            self._decoded(inst, step)
+        self._kick(inst)
+
+    def _prefilled(self, inst: SimInstance, step: Step) -> None:
+        for r in step.reqs:
+            r.computed = r.kv_len
+            if r is step.chunked:
+                continue
+            if r.generated == 0:
+                r.generated = 1  # the prefill samples the first token
+            if inst.mode == PREFILL:
+                inst.sending += 1
+                self.at(self.now + self.cost.kv_transfer_seconds(r.input_len), self._transferred, r)
+                continue
+            self._first_token(r)
+            if r.generated >= r.output_len:
+                self._finish(inst, r)
+            else:
+                inst.running.append(r)
+
+    def _transferred(self, r: SimReq) -> None:
+        src, dst = self.instances[r.prefill_url], self.instances[r.decode_url]
+        src.free(r)
+        src.sending -= 1
+        src.assigned -= 1
+        self.registry.end(self.registry.get(src.url))
+        r.computed = 0
+        dst.arrived.append(r)
+        self._kick(src)
+        self._wake(dst)
+
+    def _first_token_on_decode(self, r: SimReq) -> None:
+        """A transferred request joined its decode server's batch: its first token goes out."""
+        self._first_token(r)
+        if r.generated >= r.output_len:
+            inst = self.instances[r.decode_url]
+            inst.running.remove(r)
+            self._finish(inst, r)
+
+    def _first_token(self, r: SimReq) -> None:
+        if r.first_token_at is None:
+            r.first_token_at = self.now
+
+    def _decoded(self, inst: SimInstance, step: Step) -> None:
+        done = []
+        for r in step.reqs:
+            r.generated += 1
+            if r.generated >= r.output_len:
+                done.append(r)
+        if done:
+            ids = {id(r) for r in done}
+            inst.running = [r for r in inst.running if id(r) not in ids]
+            for r in done:
+                self._finish(inst, r)
+
+    def _finish(self, inst: SimInstance, r: SimReq) -> None:
+        inst.free(r)
+        inst.assigned -= 1
+        self.registry.end(self.registry.get(inst.url))
+        ttft, tpot = self.ttft_tpot(r)
+        self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
+                                                     completion_tokens=r.generated, ttft_s=ttft,
+                                                     tpot_s=tpot if r.generated > 1 else None))
+        self._end(r, "finished", self.meets_slo(r))
+
+    def _end(self, r: SimReq, outcome: str, met: bool = False) -> None:
+        assert not r.outcome, f"request {r.rid} ended twice ({r.outcome}, {outcome})"
+        r.outcome = outcome
+        r.finished_at = self.now
+        self.ended += 1
+        self.missed += not met
+
+    def ttft_tpot(self, r: SimReq) -> tuple[float, float]:
+        ttft = r.first_token_at - r.arrival
+        tpot = (r.finished_at if r.finished_at is not None else self.now) - r.first_token_at
+        return ttft, tpot / (r.generated - 1) if r.generated > 1 else 0.0
+
+    def meets_slo(self, r: SimReq) -> bool:
+        ttft, tpot = self.ttft_tpot(r)
+        return ttft <= self.cfg.planner.ttft_slo_s and tpot <= self.cfg.planner.tpot_slo_s
+
+    # ------------------------------------------------------------ the planner and moves
+
+    def _planner_tick(self, _: Any) -> None:
+        self._refresh_loads()  # the live loop refreshes every /get_load before deciding
+        d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry),
+                   self.window.traffic(self.now), self.planner_cost)
+        key = "move" if d.kind == "move" else d.reason.split(",")[0].split(" ")[0]
+        self.decisions[key] = self.decisions.get(key, 0) + 1
+        if d.kind == "move":
+            self._start_move(d.url, d.dst)
+        self.at(self.now + self.cfg.planner.interval_s, self._planner_tick)
+
+    def _start_move(self, url: str, dst: str) -> None:
+        w = self.registry.get(url)
+        w.switching = True
+        self.state.started(self.now, url, dst)
+        move = Move(worker=url, src=w.mode, dst=dst, started=self.now)
+        self.moves.append(move)
+        self._moving[url] = move
+        self._record_pools()
+        self.at(self.now + self.cfg.switch_timeout_s, self._drain_timeout, move)
+        self._check_drain(self.instances[url])
+
+    def _check_drain(self, inst: SimInstance) -> None:
+        move = self._moving.get(inst.url)
+        if move is not None and move.drained is None and inst.idle():
+            move.drained = self.now
+            self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
+
+    def _switched(self, move: Move) -> None:
+        inst = self.instances[move.worker]
+        inst.mode = move.dst
+        self.registry.set_mode(move.worker, move.dst)
+        self._end_move(move, "ok")
+
+    def _drain_timeout(self, move: Move) -> None:
+        if move.drained is None:
+            self._end_move(move, f"failed: drain took more than {self.cfg.switch_timeout_s:g} s")
+
+    def _end_move(self, move: Move, outcome: str) -> None:
+        move.ended, move.outcome = self.now, outcome
+        self.registry.get(move.worker).switching = False
+        del self._moving[move.worker]
+        self.state.finished(self.now, move.worker, outcome == "ok", self.cfg.planner)
+        self._record_pools()
+        self._kick(self.instances[move.worker])
+
+    def _record_pools(self) -> None:
+        counts = {m: len(self.registry.pool(m)) for m in MODES}
+        counts["moving"] = len(self._moving)
+        self.pools.append({"t": round(self.now, 6), **counts})

@@ -1,0 +1,125 @@
+"""Goodput as in DistServe: the highest request rate at which at least 90% of requests meet
+both the TTFT and the TPOT SLO, found by bisection on the rate multiplier, for colocated
+(all null), the static P:D splits, and the planner (starting from --prefill/--decode)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from typing import Any, Callable, Optional
+
+from tidal.sim.cli import layout, simulate, workload_spec
+from tidal.sim.report import summary
+from tidal.sim.workload import make_workload, virtual_span
+
+MAX_DOUBLINGS = 12
+
+
+def search_rate(attains: Callable[[float], bool], start: float, tolerance: float) -> float:
+    """The largest rate scale that attains (0 if even start / 2^12 does not), within `tolerance`."""
+    lo, hi = 0.0, start
+    if attains(start):
+        lo, hi = start, start * 2
+        for _ in range(MAX_DOUBLINGS):
+            if not attains(hi):
+                break
+            lo, hi = hi, hi * 2
+        else:
+            return lo
+    else:
+        for _ in range(MAX_DOUBLINGS):
+            hi /= 2
+            if attains(hi):
+                lo, hi = hi, hi * 2
+                break
+        else:
+            return 0.0
+    while (hi - lo) > tolerance * lo:
+        mid = (lo + hi) / 2
+        if attains(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class Layout:
+    def __init__(self, name: str, null: int, prefill: int, decode: int, mode: str) -> None:
+        self.name, self.null, self.prefill, self.decode, self.mode = name, null, prefill, decode, mode
+
+
+def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float) -> dict:
+    runs = []
+
+    def attains(scale: float) -> bool:
+        c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost,
+                     stop_after_miss=1 - ns.target_attainment)
+        s = summary(c, virtual_span(workload_spec(ns, scale)))
+        runs.append((scale, s["slo_attainment"], len(c.moves)))
+        return s["slo_attainment"] is not None and s["slo_attainment"] >= ns.target_attainment
+
+    t0 = time.perf_counter()
+    scale = search_rate(attains, start, ns.rate_tolerance)
+    spec = workload_spec(ns, scale)
+    rate = len(make_workload(spec)) / virtual_span(spec) if scale > 0 else 0.0
+    out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
+           "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
+           "seconds": round(time.perf_counter() - t0, 2)}
+    if lay.mode == "sla" and scale > 0:
+        c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost)
+        out["moves_at_goodput"] = len(c.moves)
+        out["moves_failed"] = sum(1 for m in c.moves if m.outcome != "ok")
+        out["final_pools"] = c.pools[-1]
+    return out
+
+
+def static_splits(ns: argparse.Namespace, measure: Callable[[int], dict]) -> list[dict]:
+    """Every split; with --split-step K every K-th (and the last), then around the best one at
+    K/2, K/4, ... 1 (the goodput of a split is close to unimodal in P)."""
+    n = ns.instances
+    step = max(1, ns.split_step)
+    results = {p: measure(p) for p in sorted(set(range(1, n, step)) | {n - 1})}
+    while step > 1:
+        step //= 2
+        best = max(results, key=lambda p: results[p]["goodput_rps"])
+        for p in (best - step, best + step):
+            if 1 <= p < n and p not in results:
+                results[p] = measure(p)
+    return [results[p] for p in sorted(results)]
+
+
+def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) -> dict:
+    n = ns.instances
+    _, p0, d0 = layout(ns)
+    start = max(ns.rate_scale, 1e-3)
+    which = set(ns.layouts.split(","))
+    results: list[dict] = []
+    last = [start]
+    if "colocated" in which:
+        results.append(goodput_of(ns, Layout("colocated", n, 0, 0, "static"), cost, planner_cost, start))
+        last[0] = results[-1]["rate_scale"] or start
+
+    def measure(p: int) -> dict:
+        r = goodput_of(ns, Layout(f"static {p}:{n - p}", 0, p, n - p, "static"), cost, planner_cost, last[0])
+        last[0] = r["rate_scale"] or start
+        return r
+
+    best = None
+    if "static" in which:
+        statics = static_splits(ns, measure)
+        best = max(statics, key=lambda r: r["goodput_rps"])
+        best["best_static"] = True
+        results += statics
+    if "planner" in which:
+        start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
+        results.append(goodput_of(ns, Layout(f"planner from {start_name}", ns.null, p0, d0, "sla"), cost,
+                                  planner_cost, (best or {}).get("rate_scale") or last[0]))
+    ratio = None
+    if best and best["goodput_rps"] and "planner" in which:
+        ratio = round(results[-1]["goodput_rps"] / best["goodput_rps"], 3)
+    return {"simulated": True, "instances": n, "workload": ns.workload, "duration_s": ns.duration_s,
+            "phase_s": ns.phase_s, "length_scale": ns.length_scale, "profile": os.path.basename(ns.profile),
+            "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
+            "planner_flags": {k: v for k, v in sorted(vars(ns).items()) if k.startswith("planner_")},
+            "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}

@@ -1,0 +1,106 @@
+"""A simulated run's numbers (JSON) and its picture (PNG)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Sequence
+
+from tidal.sim.engine import Cluster
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
+    if not values:
+        return math.nan
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _ms(x: float) -> Any:
+    return None if math.isnan(x) else round(x * 1000, 3)
+
+
+def summary(c: Cluster, duration_s: float) -> dict:
+    done = [r for r in c.requests if r.outcome == "finished"]
+    lat = [c.ttft_tpot(r) for r in done]
+    ttft = [x for x, _ in lat]
+    tpot = [y for (_, y), r in zip(lat, done) if r.generated > 1]
+    met = sum(1 for r in done if c.meets_slo(r))
+    n = len(c.requests)
+    outcomes = {k: sum(1 for r in c.requests if r.outcome == k) for k in ("finished", "rejected", "unfinished")}
+    return {
+        "requests": n,
+        **outcomes,
+        "stopped_early": c.stopped_early,
+        "slo_attainment": round(met / n, 6) if n else None,
+        "goodput_rps": round(met / duration_s, 6),
+        "ttft_ms": {"p50": _ms(percentile(ttft, 50)), "p99": _ms(percentile(ttft, 99))},
+        "tpot_ms": {"p50": _ms(percentile(tpot, 50)), "p99": _ms(percentile(tpot, 99))},
+        "retractions": sum(r.retractions for r in c.requests),
+        "busy_fraction": {url: round(i.busy_s / max(c.now, 1e-9), 4) for url, i in c.instances.items()},
+    }
+
+
+def moves(c: Cluster) -> list[dict]:
+    out = []
+    for m in c.moves:
+        d = dataclasses.asdict(m)
+        d["drain_s"] = None if m.drained is None else round(m.drained - m.started, 6)
+        d["total_s"] = None if m.ended is None else round(m.ended - m.started, 6)
+        out.append(d)
+    return out
+
+
+def report(c: Cluster, config: dict, duration_s: float) -> dict:
+    return {"config": config, "summary": summary(c, duration_s), "pools": c.pools, "moves": moves(c),
+            "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
+
+
+def plot(c: Cluster, path: str, title: str = "") -> str:
+    """Pool sizes over time; each request's TTFT and TPOT against its SLO, by arrival time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(12, 10), sharex=True)
+    _pools(axes[0], c)
+    done = [r for r in c.requests if r.outcome == "finished"]
+    lat = [c.ttft_tpot(r) for r in done]
+    arrivals = [r.arrival for r in done]
+    slo = c.cfg.planner
+    for ax, values, limit, label in ((axes[1], [x for x, _ in lat], slo.ttft_slo_s, "TTFT (s)"),
+                                     (axes[2], [y for _, y in lat], slo.tpot_slo_s, "TPOT (s)")):
+        ok = [v <= limit for v in values]
+        ax.scatter([a for a, k in zip(arrivals, ok) if k], [v for v, k in zip(values, ok) if k], s=4,
+                   color="tab:green", label="meets SLO")
+        ax.scatter([a for a, k in zip(arrivals, ok) if not k], [v for v, k in zip(values, ok) if not k], s=4,
+                   color="tab:red", label="misses SLO")
+        ax.axhline(limit, color="k", linestyle="--", label=f"SLO {limit:g} s")
+        ax.set_yscale("log")
+        ax.set_ylabel(label)
+        ax.legend(loc="upper right")
+    axes[2].set_xlabel("virtual time (s)")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def _pools(ax: Any, c: Cluster) -> None:
+    end = max(c.now, c.pools[-1]["t"] if c.pools else 0.0)
+    ts = [p["t"] for p in c.pools] + [end]
+    for mode, color in (("null", "tab:gray"), ("prefill", "tab:blue"), ("decode", "tab:orange"),
+                        ("moving", "tab:red")):
+        ax.step(ts, [p[mode] for p in c.pools] + [c.pools[-1][mode]], where="post", label=mode, color=color)
+    for m in c.moves:
+        ax.axvline(m.started, color="tab:red", alpha=0.2)
+    ax.set_ylabel("instances")
+    ax.set_title("pools over time")
+    ax.legend(loc="upper right")
