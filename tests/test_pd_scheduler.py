@@ -162,3 +162,25 @@ def test_decode_without_prefill_partner_times_out_cleanly(pd_pair, monkeypatch):
         d2.check_integrity()
     finally:
         d2.shutdown()
+
+
+def test_a_loop_waiting_on_a_hand_off_polls_briefly_not_the_idle_wait():
+    """Hand-off progress happens on the transfer thread and does not wake the scheduler's poller:
+    while a request waits on it, an iteration that ran nothing must look again within
+    WAITING_POLL_MS, not sleep IDLE_POLL_MS (which cost every PD request ~200 ms of TTFT)."""
+    from tidal.scheduler.process import IDLE_POLL_MS, WAITING_POLL_MS, idle_poll_ms
+
+    port = free_port()
+    p, d = make("prefill", "tcp", port, 1), make("decode", "tcp", port, 1)
+    try:
+        assert idle_poll_ms(p.is_idle()) == idle_poll_ms(d.is_idle()) == IDLE_POLL_MS
+        send(p, d, port, "r0", list(range(5, 25)), 4, room=7)
+        p.step()
+        d.step()
+        assert not p.is_idle() and not d.is_idle()
+        assert idle_poll_ms(p.is_idle()) == idle_poll_ms(d.is_idle()) == WAITING_POLL_MS < IDLE_POLL_MS
+        run_pair(p, d)
+        assert idle_poll_ms(p.is_idle()) == idle_poll_ms(d.is_idle()) == IDLE_POLL_MS
+    finally:
+        d.shutdown()
+        p.shutdown()

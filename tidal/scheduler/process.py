@@ -35,6 +35,9 @@ from tidal.scheduler.step_timing import now
 logger = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 100
+# nothing to run, but requests wait on another thread (a KV hand-off's bootstrap or transfer):
+# their progress does not wake the poller, so look again soon
+WAITING_POLL_MS = 1
 LOAD_SNAPSHOT_INTERVAL_S = 0.2
 
 
@@ -272,10 +275,16 @@ class SchedulerLoop:
             self.send.send(encode(LoadSnapshot(stats=self.sched.make_stats(0))))
 
     def _on_idle(self) -> None:
-        if self.sched.args.enable_integrity_check and self.sched.is_idle():
+        idle = self.sched.is_idle()
+        if self.sched.args.enable_integrity_check and idle:
             self.sched.check_integrity()
         if self.recv is not None:  # other ranks wait for rank 0 in the next broadcast
-            self.poller.poll(IDLE_POLL_MS)
+            self.poller.poll(idle_poll_ms(idle))
+
+
+def idle_poll_ms(scheduler_idle: bool) -> int:
+    """How long a loop iteration that ran nothing waits for new messages."""
+    return IDLE_POLL_MS if scheduler_idle else WAITING_POLL_MS
 
 
 _FRAMES = msgspec.msgpack.Encoder()
