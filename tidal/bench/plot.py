@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import numpy as np
 
@@ -23,6 +23,13 @@ def plot_results(records: Sequence[RequestRecord], path: str, title: str = "") -
     _hist(axes[0], ttft, "TTFT (ms)", "tab:blue")
     _hist(axes[1], tpot, "TPOT (ms)", "tab:orange")
     _timeline(axes[2], ok, [r for r in records if not r.success])
+    return save_figure(fig, path, title)
+
+
+def save_figure(fig: Any, path: str, title: Optional[str] = None) -> str:
+    """Titles, lays out, writes (PNG by the path's suffix) and closes the figure; returns path."""
+    import matplotlib.pyplot as plt
+
     if title:
         fig.suptitle(title)
     fig.tight_layout()

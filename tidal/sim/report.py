@@ -6,6 +6,7 @@ import dataclasses
 import math
 from typing import Any, Sequence
 
+from tidal.bench.plot import save_figure
 from tidal.sim.engine import Cluster
 
 
@@ -85,12 +86,7 @@ def plot(c: Cluster, path: str, title: str = "") -> str:
         ax.set_ylabel(label)
         ax.legend(loc="upper right")
     axes[2].set_xlabel("virtual time (s)")
-    if title:
-        fig.suptitle(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def _pools(ax: Any, c: Cluster) -> None:
