@@ -124,3 +124,18 @@ class Traffic:
         self._stop.set()
         for t in self._threads:
             t.join(300)
+
+
+def greedy_concurrently(url: str, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    """Greedy /generate output_ids of every prompt (token ids), all sent at once so the server batches them."""
+    import concurrent.futures as cf
+
+    def one(ids: list[int]) -> list[int]:
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0,
+                                                      "ignore_eos": True}}
+        r = httpx.post(url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()["output_ids"]
+
+    with cf.ThreadPoolExecutor(len(prompts)) as ex:
+        return list(ex.map(one, prompts))

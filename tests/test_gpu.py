@@ -7,8 +7,6 @@ tokens on the same GGUF and device (float32, the exact path), and the compiled d
 
 from __future__ import annotations
 
-import concurrent.futures as cf
-
 import httpx
 import pytest
 import torch
@@ -50,24 +48,13 @@ def hf_greedy(prompt_ids) -> list[list[int]]:
     return out
 
 
-def _generate_all(url: str, prompt_ids: list[list[int]]) -> list[list[int]]:
-    def one(ids):
-        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0.0,
-                                                      "ignore_eos": True}}
-        r = httpx.post(url + "/generate", json=body, timeout=300)
-        assert r.status_code == 200, r.text
-        return r.json()["output_ids"]
-    with cf.ThreadPoolExecutor(len(prompt_ids)) as ex:  # concurrent: batched decode
-        return list(ex.map(one, prompt_ids))
-
-
 def _serve(prompt_ids, *extra: str) -> tuple[dict, list[list[int]]]:
-    from tests.servers import Server
+    from tests.servers import Server, greedy_concurrently
 
     srv = Server("--device", "cuda", *extra)
     try:
         info = httpx.get(srv.url + "/server_info", timeout=30).json()
-        return info, _generate_all(srv.url, prompt_ids)
+        return info, greedy_concurrently(srv.url, prompt_ids, NEW_TOKENS)
     finally:
         assert srv.stop() == 0
 

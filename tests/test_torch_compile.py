@@ -7,7 +7,6 @@ one module-scoped runner serves every in-process test.
 
 from __future__ import annotations
 
-import httpx
 import pytest
 import torch
 from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
@@ -81,28 +80,15 @@ def test_torch_compile_refuses_tensor_parallel():
 def test_compiled_server_returns_the_eager_servers_tokens():
     """A server with --enable-torch-compile (overlap scheduling on, the step in its worker thread)
     answers concurrent greedy requests with the same tokens as an eager server."""
-    import concurrent.futures as cf
-
-    from tests.servers import Server
+    from tests.servers import Server, greedy_concurrently
 
     prompts = [[1, 504, 3458, 282, 260, 3458, 28, 198], [1, 4428, 314, 253, 7033, 30, 216],
                [1, 11741, 1326, 2717, 314, 2]]
-
-    def generate(url: str) -> list[list[int]]:
-        def one(ids):
-            body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 10, "temperature": 0.0,
-                                                          "ignore_eos": True}}
-            r = httpx.post(url + "/generate", json=body, timeout=300)
-            assert r.status_code == 200, r.text
-            return r.json()["output_ids"]
-        with cf.ThreadPoolExecutor(len(prompts)) as ex:
-            return list(ex.map(one, prompts))
-
     outputs = {}
     for name, extra in (("eager", ()), ("compiled", ("--enable-torch-compile", "--torch-compile-max-bs", "2"))):
         srv = Server("--torch-threads", "1", *extra)
         try:
-            outputs[name] = generate(srv.url)
+            outputs[name] = greedy_concurrently(srv.url, prompts, 10)
         finally:
             assert srv.stop() == 0
     assert outputs["compiled"] == outputs["eager"]

@@ -81,14 +81,16 @@ def warm_up(compiled: CompiledDecode, runner, context: int = 16) -> float:
 
 def dummy_decode_batch(runner, seq_lens: list[int], dev: torch.device) -> ForwardBatch:
     bs, max_len = len(seq_lens), max(seq_lens)
-    zeros = torch.zeros(bs, dtype=torch.int64, device=dev)
-    req_to_token = torch.zeros(bs, max_len, dtype=torch.int64, device=dev)  # every slot: 0
+    prefix = [n - 1 for n in seq_lens]  # the new token's position: each request's last
+
+    def t(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64, device=dev)
+
+    zeros = [0] * bs
     return ForwardBatch(
-        ForwardMode.DECODE, input_ids=zeros.clone(),
-        positions=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
-        out_cache_loc=zeros.clone(), req_pool_indices=torch.arange(bs, dtype=torch.int64, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-        extend_prefix_lens=torch.tensor([n - 1 for n in seq_lens], dtype=torch.int64, device=dev),
-        extend_seq_lens=torch.ones(bs, dtype=torch.int64, device=dev), req_to_token=req_to_token,
-        kv_pool=runner.kv_pool, seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=[n - 1 for n in seq_lens],
+        ForwardMode.DECODE, input_ids=t(zeros), positions=t(prefix), out_cache_loc=t(zeros),
+        req_pool_indices=t(list(range(bs))), seq_lens=t(seq_lens), extend_prefix_lens=t(prefix),
+        extend_seq_lens=t([1] * bs),
+        req_to_token=torch.zeros(bs, max_len, dtype=torch.int64, device=dev),  # every slot: 0
+        kv_pool=runner.kv_pool, seq_lens_cpu=list(seq_lens), extend_prefix_lens_cpu=prefix,
         extend_seq_lens_cpu=[1] * bs)
