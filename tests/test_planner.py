@@ -76,10 +76,12 @@ def test_starved_decode_pool_gets_a_null_worker():
     assert d.kind == "move" and (d.src, d.dst) == (NULL, DECODE), d.reason
 
 
-def test_balanced_pools_hold():
-    d = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(2, 2, 0), LIGHT, COST)
-    assert d.kind == "hold" and "hysteresis" in d.reason, d.reason
-    assert d.current.score < 1.0
+def test_pools_at_the_best_layout_hold():
+    first = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(2, 2, 0), LIGHT, COST)
+    best = first.target.pools
+    d = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(best[PREFILL], best[DECODE], best[NULL]), LIGHT, COST)
+    assert d.kind == "hold" and "gains too little" in d.reason, d.reason
+    assert d.current.score < 1.0 and d.target.pools == best
 
 
 def test_static_never_moves():
@@ -91,19 +93,33 @@ def test_static_never_moves():
 # ---------------------------------------------------------------- safety
 
 
-def test_no_move_inside_the_cooldown_then_moves():
+def test_no_move_undoing_a_move_inside_the_cooldown_then_moves():
+    """A worker went prefill -> decode 10 s ago; now prefill starves. Moving one back (decode -> prefill,
+    or anything into prefill / out of decode) waits for the cooldown: no flapping."""
     c, state = cfg(cooldown_s=30.0), PlannerState()
-    state.started(NOW - 40, "http://elsewhere", PREFILL)
+    state.started(NOW - 40, "http://elsewhere", PREFILL, DECODE)
     state.finished(NOW - 10, "http://elsewhere", True, c)
     d = decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST)
-    assert d.kind == "hold" and d.reason.startswith("cooldown"), d.reason
-    assert d.best is not None and (d.best.src, d.best.dst) == (DECODE, PREFILL)  # it knows what it would do
+    assert d.kind == "hold" and "no legal move toward the target" in d.reason and "cooldown" in d.reason, d.reason
+    assert d.target is not None and d.target.pools[PREFILL] > 1  # it knows where it would go
+    undo = [x for x in d.candidates if x.dst == PREFILL or x.src == DECODE]
+    assert undo and all(not x.legal and "cooldown after a move prefill->decode" in x.reason for x in undo)
     assert decide(NOW + 21, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).kind == "move"
+
+
+def test_moves_the_same_way_go_on_inside_the_cooldown():
+    """A worker just went decode -> prefill and prefill still starves: the next one follows at once."""
+    c, state = cfg(cooldown_s=30.0), PlannerState()
+    loads = layout(2, 4, 0, prefill={"queued_prefill_tokens": 10000})
+    state.started(NOW - 20, "http://elsewhere", DECODE, PREFILL)
+    state.finished(NOW - 5, "http://elsewhere", True, c)
+    d = decide(NOW, c, state, loads, LONG_PROMPTS, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
 
 
 def test_a_moved_worker_keeps_its_own_cooldown():
     c, state = cfg(cooldown_s=10.0, worker_cooldown_s=100.0), PlannerState()
-    state.started(NOW - 50, "http://decode0", DECODE)
+    state.started(NOW - 50, "http://decode0", PREFILL, DECODE)
     state.finished(NOW - 40, "http://decode0", True, c)
     d = decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST)
     assert d.kind == "move" and d.url == "http://decode1"
@@ -113,23 +129,27 @@ def test_a_moved_worker_keeps_its_own_cooldown():
 
 def test_at_most_the_allowed_moves_in_flight():
     state = PlannerState()
-    state.started(NOW - 100, "http://other", NULL)
+    state.started(NOW - 100, "http://other", DECODE, PREFILL)
     c = cfg(cooldown_s=0.0)
-    assert decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).reason == "1 move(s) in flight"
+    assert decide(NOW, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).reason.startswith("1 move(s) in flight")
     d = decide(NOW, cfg(cooldown_s=0.0, max_concurrent_moves=2), state, STARVED_PREFILL, LONG_PROMPTS, COST)
     assert d.kind == "move"
 
 
 def test_never_below_the_minimum_per_pool():
+    """1 prefill : 2 decode, prefill starved, minimum 2: the only allowed layout is this one."""
     d = decide(NOW, cfg(min_per_pool=2), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
-    assert d.kind == "hold" and d.reason == "no legal move"
+    assert d.kind == "hold" and "hysteresis" in d.reason, d.reason
+    assert d.target.pools == pool_counts(STARVED_PREFILL)
     assert all("below --planner-min-per-pool 2" in x.reason for x in d.candidates if x.src == DECODE)
+    free = decide(NOW, cfg(min_per_pool=1), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
+    assert free.kind == "move" and free.src == DECODE, free.reason
 
 
 def test_never_leaves_pd_unusable():
     loads = layout(1, 1, 0, prefill={"queued_prefill_tokens": 20000})
     d = decide(NOW, cfg(min_per_pool=0), PlannerState(), loads, LONG_PROMPTS, COST)
-    assert d.kind == "hold", d.reason
+    assert d.kind == "hold" or d.dst == NULL, d.reason  # a worker may become null: that path serves alone
     pd_breaking = [x for x in d.candidates if x.dst != NULL]
     assert pd_breaking and all(not x.legal and "no usable path" in x.reason for x in pd_breaking)
 
@@ -162,15 +182,16 @@ def test_failed_move_backs_off_exponentially_and_is_not_looped():
     traffic = Traffic(arrival_rate=1.8, mean_input_tokens=1000, mean_output_tokens=20)
     first = decide(NOW, c, state, loads, traffic, COST)
     assert first.kind == "move" and first.url == "http://null0"
-    state.started(NOW, first.url, first.dst)
+    state.started(NOW, first.url, first.src, first.dst)
     state.finished(NOW + 1, first.url, False, c)
     held = decide(NOW + 2, c, state, loads, traffic, COST)
-    assert held.kind == "hold" and held.reason == "no legal move"  # the only movable worker is backing off
+    assert held.kind == "hold" and "no legal move toward the target" in held.reason, held.reason
+    assert "backoff" in held.reason  # the only worker to move is backing off
     assert all("backoff after 1 failed" in x.reason for x in held.candidates if x.url == "http://null0")
     assert decide(NOW + 30, c, state, loads, traffic, COST).kind == "hold"
     retry = decide(NOW + 31.5, c, state, loads, traffic, COST)
     assert retry.kind == "move" and retry.url == "http://null0"
-    state.started(NOW + 31.5, retry.url, retry.dst)
+    state.started(NOW + 31.5, retry.url, retry.src, retry.dst)
     state.finished(NOW + 32, retry.url, False, c)
     assert decide(NOW + 32 + 59, c, state, loads, traffic, COST).kind == "hold"  # 60 s after the second
     assert decide(NOW + 32 + 61, c, state, loads, traffic, COST).kind == "move"
@@ -328,22 +349,23 @@ def test_ties_go_to_the_worker_with_least_to_drain_counting_router_in_flight():
     assert d.url == loads[3].url
 
 
-def test_while_slos_are_met_it_moves_toward_headroom_for_a_burst():
-    """1 prefill : 3 decode at 0.4 long prompts/s meets the SLOs (TTFT ~1.3 s of 3), and 2:2 is barely
-    better there (below the hysteresis); at twice the rate 1:3 breaks the TTFT SLO and 2:2 does not."""
+def test_while_slos_are_met_it_moves_toward_more_capacity():
+    """1 prefill : 3 decode at 0.4 long prompts/s meets the SLOs (TTFT ~1.3 s of 3), but a burst of twice
+    the rate would break them; more prefill workers raise the rate the layout can take: the planner moves
+    before the burst, not once it is there. Below the hysteresis it holds."""
     traffic = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20)
     loads = layout(1, 3, 0)
-    off = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
-    assert off.kind == "hold" and "hysteresis" in off.reason and off.current.score < 1
-    d = decide(NOW, cfg(headroom=2.0), PlannerState(), loads, traffic, COST)
-    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and d.reason.startswith("headroom"), d.reason
-    assert d.best.prediction.score < 1  # the move keeps the SLOs at today's rate
-
+    d = decide(NOW, cfg(), PlannerState(), loads, traffic, COST)
+    assert d.current.score < 1 and d.current.capacity < 2
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and "capacity" in d.reason, d.reason
+    assert d.target.capacity > 1.3 * d.current.capacity
+    held = decide(NOW, cfg(hysteresis=d.target.capacity / d.current.capacity), PlannerState(), loads, traffic, COST)
+    assert held.kind == "hold" and "gains too little" in held.reason, held.reason
 
 
 def test_a_heavy_tailed_prompt_mix_costs_more_than_its_mean_prompt():
     """Same mean prompt (1000 tokens); on a convex prefill curve the spread mix takes longer per request
-    and waits longer (M/G/1), so its predicted TTFT is higher, enough to move a decode worker."""
+    and waits longer (M/G/1), so its predicted TTFT is higher and the rate it can take lower."""
     convex = dict(PROFILE, prefill=[{"tokens": 1, "seconds": 0.001}, {"tokens": 1000, "seconds": 1.0},
                                     {"tokens": 4000, "seconds": 10.0}])
     cost = CostModel.from_dict(convex)
@@ -351,11 +373,11 @@ def test_a_heavy_tailed_prompt_mix_costs_more_than_its_mean_prompt():
     spread = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20,
                      input_tokens_deciles=[250] * 8 + [4000] * 2)
     loads = layout(1, 3, 0)
-    a = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, even, cost)
-    b = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, spread, cost)
+    a = decide(NOW, cfg(), PlannerState(), loads, even, cost)
+    b = decide(NOW, cfg(), PlannerState(), loads, spread, cost)
     assert b.current.paths["pd"].ttft_s > 2 * a.current.paths["pd"].ttft_s
-    assert a.kind == "hold" and b.kind == "move", (a.reason, b.reason)
-    assert b.src == DECODE and b.dst in (PREFILL, NULL)  # a worker that prefills
+    assert b.current.capacity < 0.7 * a.current.capacity
+    assert b.kind == "move" and b.src == DECODE and b.dst in (PREFILL, NULL), b.reason  # a worker that prefills
 
 
 def test_window_reports_prompt_length_deciles():
@@ -366,15 +388,56 @@ def test_window_reports_prompt_length_deciles():
     assert TrafficWindow(30.0, 0.0).traffic(1.0).input_tokens_deciles == []
 
 
-def test_in_a_large_cluster_the_gain_of_the_direction_counts_not_of_one_worker():
-    """32:32 under long prompts: one more prefill worker lowers the score by only ~0.02 (below the
-    hysteresis), 16 more by ~0.16. The planner starts moving that way, one worker at a time."""
+def test_in_a_large_cluster_the_planner_heads_for_the_best_layout_not_the_best_single_move():
+    """32:32 under long prompts: one more prefill worker raises the capacity by only ~3% (below the
+    hysteresis), the best layout by much more. The planner starts moving toward it, one worker at a
+    time, and goes on with the next interval while its first move is in flight (max 2 at once)."""
     loads = layout(32, 32, 0)
     traffic = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20)
-    d = decide(NOW, cfg(headroom=1.0), PlannerState(), loads, traffic, COST)
+    c, state = cfg(max_concurrent_moves=2), PlannerState()
+    d = decide(NOW, c, state, loads, traffic, COST)
     assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
-    assert d.current.score - d.best.prediction.score < 0.1 < d.current.score - d.best.target.score
-    assert d.best.target_moves > 1 and "heading for" in d.reason
-    # the other way is worse at every step: no move back from the layout it heads for
-    back = decide(NOW, cfg(headroom=1.0), PlannerState(), layout(48, 16, 0), traffic, COST)
-    assert back.kind == "hold" or (back.src, back.dst) == (DECODE, PREFILL), back.reason
+    assert d.best.prediction.capacity < 1.1 * d.current.capacity < 1.3 * d.current.capacity < d.target.capacity
+    assert d.target.pools[PREFILL] > 40 and "move(s) away" in d.reason
+    state.started(NOW, d.url, d.src, d.dst)
+    moving = [w for w in loads if w.url != d.url]
+    nxt = decide(NOW + 5, c, state, moving, traffic, COST)
+    assert nxt.kind == "move" and (nxt.src, nxt.dst) == (DECODE, PREFILL) and nxt.url != d.url, nxt.reason
+    assert nxt.current.pools == {PREFILL: 33, DECODE: 31, NULL: 0}  # counts the move in flight as landed
+    # from the layout it heads for, no move back
+    there = decide(NOW, c, PlannerState(), layout(**dict(zip(("p", "d", "n"), (d.target.pools[PREFILL],
+                   d.target.pools[DECODE], d.target.pools[NULL])))), traffic, COST)
+    assert there.kind == "hold", there.reason
+
+
+def test_the_target_search_finds_the_best_layout_of_the_full_grid():
+    """Beyond GRID_FULL workers the coarse grid refined around its best finds the same best score as
+    predicting every layout."""
+    from tidal.planner.decide import best_layout, capacity, make_predictor
+    from tidal.planner.predict import PoolLoad
+
+    rng = random.Random(3)
+    for _ in range(3):
+        n = rng.choice((32, 48))
+        traffic = Traffic(arrival_rate=rng.uniform(2, 30), mean_input_tokens=rng.uniform(100, 1500),
+                          mean_output_tokens=rng.uniform(10, 400))
+        current = {PREFILL: n // 2, DECODE: n - n // 2, NULL: 0}
+        predictor = make_predictor(cfg(), COST, current)
+        found = best_layout(predictor, current, PoolLoad([]), traffic, 1)
+        every = max(capacity(predictor, {PREFILL: p, DECODE: d, NULL: n - p - d}, PoolLoad([]), traffic)
+                    for p in range(1, n + 1) for d in range(1, n + 1 - p))
+        assert found.capacity >= every * 0.95, (n, traffic, found.pools)
+
+
+def test_the_running_request_limit_caps_the_batch_and_the_excess_waits():
+    """With the profile's max_running_requests, an overloaded decode worker runs at most that batch: TPOT
+    stays the step of that batch, the excess shows as TTFT (waiting for a slot)."""
+    capped = CostModel.from_dict(dict(PROFILE, server={"max_total_tokens": KV, "max_running_requests": 8}))
+    heavy = Traffic(arrival_rate=6.0, mean_input_tokens=100, mean_output_tokens=500)
+    loads = layout(2, 1, 0)
+    free = decide(NOW, cfg(), PlannerState(), loads, heavy, COST).current.paths["pd"]
+    tight = decide(NOW, cfg(), PlannerState(), loads, heavy, capped).current.paths["pd"]
+    step8 = capped.decode_step_seconds(8, 8 * 350)
+    assert tight.tpot_s == pytest.approx(step8, rel=0.01)
+    assert tight.tpot_s < free.tpot_s
+    assert tight.ttft_s > free.ttft_s + 5.0  # 6 req/s against 8 slots freed every 500 steps

@@ -222,6 +222,23 @@ def test_azure_shift_takes_each_trace_in_turn_and_scales_like_the_others():
     assert [r.arrival * 2.5 for r in fast] == pytest.approx([r.arrival for r in mixed])
 
 
+def test_phase_rate_ratio_plays_the_chat_phases_faster():
+    """Ratio 3: a conversation phase replays three phase lengths of its trace (from three times the phase's
+    start) in one phase; code phases are unchanged. The synthetic shift's chat phases arrive 3x as often."""
+    base = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60))
+    fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, phase_rate_ratio=3))
+    conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=720))
+    in_phase = lambda reqs, k: [r for r in reqs if k * 60 <= r.arrival < (k + 1) * 60]  # noqa: E731
+    assert in_phase(fast, 0) == in_phase(base, 0) and in_phase(fast, 2) == in_phase(base, 2)
+    window = [r for r in conv if 180 <= r.arrival < 360]  # phase 1: trace seconds [3 * 60, 3 * 120)
+    assert [(r.input_tokens, r.output_tokens) for r in in_phase(fast, 1)] == \
+        [(r.input_tokens, r.output_tokens) for r in window]
+    assert [r.arrival for r in in_phase(fast, 1)] == pytest.approx([60 + (r.arrival - 180) / 3 for r in window])
+    syn = make_workload(WorkloadSpec(name="shift", duration_s=4000, phase_s=500, phase_rate_ratio=3))
+    chat = sum(1 for r in syn if int(r.arrival // 500) % 2)
+    assert 2.5 < chat / (len(syn) - chat) < 3.5
+
+
 # ---------------------------------------------------------------- goodput search and CLI
 
 
@@ -278,4 +295,4 @@ def test_cli_goodput_layouts_picks_what_to_search(tmp_path):
                  "--workload", "azure-conv", "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000",
                  "--tpot-slo-ms", "200", "--rate-tolerance", "0.1", "--layouts", "planner")
     assert [r["layout"] for r in d["results"]] == ["planner from 1:1 + 1 null"]
-    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_headroom"] == 1.0
+    assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_hysteresis"] == 0.3

@@ -1,16 +1,26 @@
 """The planner's decision: pure, clock injected (`now`), no I/O.
 
-Every interval `decide` looks at each legal single move (any worker to any other mode),
-predicts the layout after it, and picks the one with the lowest score. It moves only when
-that beats the current layout by the hysteresis (or, while the SLOs are met, when it
-beats it by the hysteresis at `headroom` times the arrival rate), and never:
-- inside the global cooldown after a move (started or finished), nor moves a worker again
-  inside its own cooldown;
-- with `max_concurrent_moves` moves already in flight;
-- below `min_per_pool` workers in the prefill or the decode pool (the null pool may empty);
-- to a layout without a usable path: with no null worker, both a prefill and a decode
-  worker must remain;
-- a worker whose last move failed, before its backoff (base * 2^(failures-1), capped) ends.
+What it maximizes is a layout's *capacity*: the largest multiple of the window's arrival rate,
+with the window's mix of prompt and answer lengths, at which the layout is predicted to meet
+both SLOs (the goodput notion, per layout). Every interval `decide` computes it for the layouts
+the cluster could take (workers per mode: every layout up to GRID_FULL workers, a coarse grid
+refined around its best one beyond), picks the best as its target (among near-ties, the fewest
+moves away) and, when the target's capacity beats the layout the cluster is heading for by the
+hysteresis (relative), starts one move toward it: the legal single move whose layout predicts
+best, ties to the worker with least to drain. The next intervals continue toward the target
+while it stands, one more move each, up to `max_concurrent_moves` at once. Aiming at capacity
+rather than at today's latency keeps headroom for bursts and makes the target depend on the
+mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
+small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score.
+
+It never:
+- moves a worker back the way a move went inside the cooldown after that move started or
+  ended (no move into a pool that lost a worker, nor out of one that gained a worker, in the
+  last `cooldown_s`), nor moves a worker again inside its own cooldown;
+- starts a move with `max_concurrent_moves` moves already in flight;
+- shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
+- leaves no usable path: with no null worker, both a prefill and a decode worker must remain;
+- moves a worker whose last move failed before its backoff (base * 2^(failures-1), capped) ends.
 
 `PlannerState` is the memory between intervals; the caller reports each move's start and
 end (`started`, `finished`), again with `now`, so that a simulator can drive it in virtual time.
@@ -19,7 +29,8 @@ end (`started`, `finished`), again with `now`, so that a simulator can drive it 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+import math
+from typing import Any, Iterable, Optional
 
 import msgspec
 
@@ -37,7 +48,11 @@ from tidal.planner.schema import (
     WorkerLoad,
 )
 
-MIN_RELATIVE_GAIN = 0.1  # a move must also lower the score by this fraction of it
+MIN_RELATIVE_GAIN = 0.1  # ranking by score: a move must also lower it by this fraction of it
+GRID_FULL = 24  # up to this many workers every layout is predicted; beyond, a grid of ~16 steps refined
+NEAR_TIE = 0.02  # layouts within this fraction of the best capacity (or score) count as ties
+CAPACITY_LOG2 = (-6.0, 12.0)  # capacity is searched between 1/64 and 4096 times the rate
+CAPACITY_STEPS = 10  # bisection steps in log2: about 1% precision
 
 
 @dataclasses.dataclass
@@ -47,23 +62,37 @@ class WorkerMemory:
     retry_at: float = float("-inf")
 
 
+@dataclasses.dataclass
+class Flow:
+    """The latest move from one mode to another: when it started or ended."""
+    src: str
+    dst: str
+    at: float
+
+
 class PlannerState:
     def __init__(self) -> None:
         self.last_move_at: Optional[float] = None  # start or end of the latest move
-        self.in_flight: dict[str, str] = {}  # url -> target mode
+        self.in_flight: dict[str, tuple[str, str]] = {}  # url -> (source mode, target mode)
+        self.flows: dict[tuple[str, str], Flow] = {}
         self.workers: dict[str, WorkerMemory] = {}
 
     def memory(self, url: str) -> WorkerMemory:
         return self.workers.setdefault(url, WorkerMemory())
 
-    def started(self, now: float, url: str, dst: str) -> None:
-        self.in_flight[url] = dst
+    def _touch(self, now: float, url: str, src: str, dst: str) -> None:
         self.last_move_at = now
         self.memory(url).last_move_at = now
+        self.flows[src, dst] = Flow(src, dst, now)
+
+    def started(self, now: float, url: str, src: str, dst: str) -> None:
+        self.in_flight[url] = (src, dst)
+        self._touch(now, url, src, dst)
 
     def finished(self, now: float, url: str, ok: bool, cfg: PlannerConfig) -> None:
-        self.in_flight.pop(url, None)
-        self.last_move_at = now
+        src, dst = self.in_flight.pop(url, ("", ""))
+        if src:
+            self._touch(now, url, src, dst)
         m = self.memory(url)
         m.last_move_at = now
         if ok:
@@ -73,9 +102,17 @@ class PlannerState:
             m.retry_at = now + min(cfg.backoff_max_s, cfg.backoff_base_s * 2 ** (m.failures - 1))
 
     def cooldown_left(self, now: float, cfg: PlannerConfig) -> float:
-        if self.last_move_at is None:
-            return 0.0
-        return max(0.0, self.last_move_at + cfg.cooldown_s - now)
+        """Seconds until no direction is blocked as a reversal any more."""
+        return max([0.0] + [f.at + cfg.cooldown_s - now for f in self.flows.values()])
+
+    def reversal(self, now: float, src: str, dst: str, cfg: PlannerConfig) -> str:
+        """Why src -> dst would undo a recent move ("" when it would not): it takes a worker out of a
+        pool that gained one, or puts one into a pool that lost one, inside the cooldown."""
+        for f in self.flows.values():
+            left = f.at + cfg.cooldown_s - now
+            if left > 0 and (f.dst == src or f.src == dst):
+                return f"cooldown after a move {f.src}->{f.dst}, {left:.1f} s left"
+        return ""
 
     def worker_blocked(self, now: float, url: str, cfg: PlannerConfig) -> str:
         """Why this worker may not move now ("" when it may)."""
@@ -91,7 +128,9 @@ class PlannerState:
         return ""
 
     def to_dict(self, now: float, cfg: PlannerConfig) -> dict:
-        return {"cooldown_left_s": round(self.cooldown_left(now, cfg), 3), "in_flight": dict(self.in_flight),
+        return {"cooldown_left_s": round(self.cooldown_left(now, cfg), 3),
+                "in_flight": {url: dst for url, (_, dst) in self.in_flight.items()},
+                "recent_moves": {f"{f.src}->{f.dst}": round(now - f.at, 3) for f in self.flows.values()},
                 "workers": {url: {"blocked": self.worker_blocked(now, url, cfg), "failures": m.failures,
                                   "last_move_age_s": None if m.last_move_at is None
                                   else round(now - m.last_move_at, 3)}
@@ -103,6 +142,14 @@ def pool_counts(loads: list[WorkerLoad]) -> dict[str, int]:
     for w in loads:
         counts[w.mode] += 1
     return counts
+
+
+def heading_for(pools: dict[str, int], state: PlannerState) -> dict[str, int]:
+    """The layout once the moves in flight have landed (their workers are in no pool meanwhile)."""
+    out = dict(pools)
+    for _, dst in state.in_flight.values():
+        out[dst] += 1
+    return out
 
 
 def after_move(pools: dict[str, int], src: str, dst: str) -> dict[str, int]:
@@ -121,6 +168,14 @@ def layout_problem(after: dict[str, int], src: str, min_per_pool: int) -> str:
     return ""
 
 
+def target_allowed(layout: dict[str, int], current: dict[str, int], min_per_pool: int) -> bool:
+    """A layout the planner may head for: a usable path, and no prefill or decode pool shrunk below the
+    minimum (a pool already below it may stay there)."""
+    if any(layout[m] < min(min_per_pool, current[m]) for m in (PREFILL, DECODE)):
+        return False
+    return bool(layout[NULL] or (layout[PREFILL] and layout[DECODE]))
+
+
 def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> Any:
     if cost is not None:
         return CostPredictor(cost, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.interval_s)
@@ -133,89 +188,147 @@ def drain_work(w: WorkerLoad) -> int:
     return max(w.running_reqs + w.waiting_reqs, w.in_flight)
 
 
-def along(predictor: Any, pools: dict[str, int], load: PoolLoad, traffic: Traffic, src: str, dst: str,
-          min_per_pool: int) -> tuple[Optional[Prediction], int]:
-    """The best legal layout after k = 1, 2, 4, ... workers move src -> dst, and its k. In a large
-    cluster one worker changes the score by about 1/N, too little to pass the hysteresis even when
-    the layout is far from the best one; the gain that counts is the direction's."""
-    best: Optional[Prediction] = None
-    best_k, k = 1, 1
-    while k <= pools[src]:
-        layout = dict(pools)
-        layout[src] -= k
-        layout[dst] += k
-        if layout_problem(layout, src, min_per_pool):
-            break
+def moves_between(a: dict[str, int], b: dict[str, int]) -> int:
+    return sum(max(0, a[m] - b[m]) for m in MODES)
+
+
+def grid(total: int, step: int, center: Optional[tuple[int, int]] = None) -> Iterable[dict[str, int]]:
+    """Layouts (prefill, decode, rest null) on a grid of `step`, all of them or the 3x3 around `center`."""
+    if center is None:
+        ps = sorted(set(range(0, total + 1, step)) | {total})
+        ds = ps
+    else:
+        ps = [center[0] + i * step for i in (-1, 0, 1)]
+        ds = [center[1] + i * step for i in (-1, 0, 1)]
+    for p in ps:
+        for d in ds:
+            if 0 <= p and 0 <= d and p + d <= total:
+                yield {NULL: total - p - d, PREFILL: p, DECODE: d}
+
+
+def capacity(predictor: Any, layout: dict[str, int], load: PoolLoad, traffic: Traffic) -> Optional[float]:
+    """The largest multiple of the window's arrival rate at which `layout` is predicted to meet both SLOs
+    (0 when it misses them even at the lowest multiple searched); None when it cannot be predicted."""
+    if isinstance(predictor, ObservedPredictor):  # latencies linear in the load: the multiple is 1/score
         pred = predictor.predict(layout, load, traffic)
-        if pred is not None and (best is None or pred.score < best.score):
-            best, best_k = pred, k
-        k *= 2
-    return best, best_k
+        return None if pred is None else (1.0 / pred.score if pred.score > 0 else 2.0 ** CAPACITY_LOG2[1])
+    lo, hi = CAPACITY_LOG2
+    if predictor.predict(layout, load, msgspec.structs.replace(traffic, arrival_rate=traffic.arrival_rate
+                                                               * 2.0 ** lo)).score > 1:
+        return 0.0
+    for _ in range(CAPACITY_STEPS):
+        mid = (lo + hi) / 2
+        scaled = msgspec.structs.replace(traffic, arrival_rate=traffic.arrival_rate * 2.0 ** mid)
+        lo, hi = (mid, hi) if predictor.predict(layout, load, scaled).score <= 1 else (lo, mid)
+    return 2.0 ** lo
+
+
+def rated(predictor: Any, layout: dict[str, int], load: PoolLoad, traffic: Traffic) -> Optional[Prediction]:
+    """The layout's prediction at today's rate, with its capacity."""
+    pred = predictor.predict(layout, load, traffic)
+    if pred is None:
+        return None
+    pred.capacity = capacity(predictor, layout, load, traffic) or 0.0
+    return pred
+
+
+def better(a: Prediction, b: Prediction) -> bool:
+    """a ranks above b: more capacity, or, when neither meets the SLOs at any rate, a lower score."""
+    if a.capacity or b.capacity:
+        return a.capacity > b.capacity
+    return a.score < b.score
+
+
+def near(a: Prediction, best: Prediction) -> bool:
+    if best.capacity:
+        return a.capacity >= best.capacity * (1 - NEAR_TIE)
+    return not a.capacity and a.score <= best.score * (1 + NEAR_TIE)
+
+
+def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic: Traffic,
+                min_per_pool: int) -> Optional[Prediction]:
+    """The best allowed layout of the same workers (`better`), near-ties going to the fewest moves from
+    `current`."""
+    total = sum(current.values())
+    seen: dict[tuple[int, int], Prediction] = {}
+
+    def top() -> Prediction:
+        out = None
+        for x in seen.values():
+            if out is None or better(x, out):
+                out = x
+        return out
+
+    def visit(layouts: Iterable[dict[str, int]]) -> None:
+        for lay in layouts:
+            key = (lay[PREFILL], lay[DECODE])
+            if key not in seen and target_allowed(lay, current, min_per_pool):
+                pred = rated(predictor, lay, load, traffic)
+                if pred is not None:
+                    seen[key] = pred
+
+    step = 1 if total <= GRID_FULL else math.ceil(total / 16)
+    visit(grid(total, step))
+    visit([current])
+    while step > 1 and seen:
+        step = math.ceil(step / 2)
+        best = top()
+        visit(grid(total, step, (best.pools[PREFILL], best.pools[DECODE])))
+    if not seen:
+        return None
+    best = top()
+    ties = [x for x in seen.values() if near(x, best)]
+    return min(ties, key=lambda x: (moves_between(current, x.pools), -x.capacity, x.score))
+
+
+def gain_enough(current: Prediction, target: Prediction, hysteresis: float) -> tuple[bool, str]:
+    """Whether heading for `target` pays: capacity up by the hysteresis (relative), or, when neither
+    meets the SLOs at any rate, the score down by it (absolute) and by MIN_RELATIVE_GAIN of it."""
+    if target.capacity:
+        ok = target.capacity >= current.capacity * (1 + hysteresis) and target.capacity > current.capacity
+        return ok, f"capacity {current.capacity:.2f}x -> {target.capacity:.2f}x the rate"
+    needed = max(hysteresis, MIN_RELATIVE_GAIN * current.score)
+    return current.score - target.score >= needed, f"score {current.score:.3f} -> {target.score:.3f}"
 
 
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
                predictor: Any, load: PoolLoad, traffic: Traffic) -> list[Candidate]:
-    """Every single move, the fastest workers to drain first (they win ties)."""
+    """Every single move, each predicted in the layout the cluster heads for; the fastest workers to
+    drain first (they win ties)."""
     pools = pool_counts(loads)
+    heading = heading_for(pools, state)
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
-    targets: dict[tuple[str, str], tuple[Optional[Prediction], int]] = {}
     out = []
     for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
         blocked = state.worker_blocked(now, w.url, cfg)
         for dst in MODES:
             if dst == w.mode:
                 continue
-            layout = after_move(pools, w.mode, dst)
-            reason = blocked or layout_problem(layout, w.mode, cfg.min_per_pool)
+            reason = (blocked or layout_problem(after_move(pools, w.mode, dst), w.mode, cfg.min_per_pool)
+                      or state.reversal(now, w.mode, dst, cfg))
             if (w.mode, dst) not in predictions:
-                predictions[w.mode, dst] = predictor.predict(layout, load, traffic)
-                targets[w.mode, dst] = (along(predictor, pools, load, traffic, w.mode, dst, cfg.min_per_pool)
-                                        if not layout_problem(layout, w.mode, cfg.min_per_pool) else (None, 1))
-            pred = predictions[w.mode, dst]
-            target, k = targets[w.mode, dst]
-            out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason, prediction=pred,
-                                 target=target, target_moves=k))
+                predictions[w.mode, dst] = rated(predictor, after_move(heading, w.mode, dst), load, traffic)
+            out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason,
+                                 prediction=predictions[w.mode, dst]))
     return out
 
 
-def goal(c: Candidate) -> Prediction:
-    """What a move heads for: the best layout along its direction, or the move alone."""
-    return c.target if c.target is not None and c.target.score < c.prediction.score else c.prediction
-
-
-def headroom_move(now: float, cfg: PlannerConfig, pools: dict[str, int], load: PoolLoad, traffic: Traffic,
-                  current: Prediction, legal: list[Candidate], predictor: Any) -> Optional[Decision]:
-    """While the SLOs are met, the move that best prepares for a burst: layouts compared at
-    `headroom` times the arrival rate, among moves that keep the SLOs at today's rate, with the
-    same hysteresis. Without it the score is flat until a pool saturates, so the planner would
-    only start moving (slowly: drain, switch, cooldown) once the burst is already there."""
-    if cfg.headroom <= 1 or current.score >= 1:
-        return None
-    burst = msgspec.structs.replace(traffic, arrival_rate=traffic.arrival_rate * cfg.headroom)
-    now_burst = predictor.predict(pools, load, burst)
-    by_move: dict[tuple[str, str], Prediction] = {}
-    best: Optional[tuple[float, Candidate]] = None
+def toward(target: Prediction, heading: dict[str, int], legal: list[Candidate]) -> Optional[Candidate]:
+    """The legal move that takes a worker from a pool above the target's size to one below it, the one
+    whose layout ranks best (ties: least to drain, as `legal` is ordered)."""
+    out = None
     for c in legal:
-        if c.prediction.score >= 1:
-            continue
-        if (c.src, c.dst) not in by_move:
-            by_move[c.src, c.dst] = along(predictor, pools, load, burst, c.src, c.dst, cfg.min_per_pool)[0]
-        score = by_move[c.src, c.dst].score
-        if best is None or score < best[0]:
-            best = (score, c)
-    if best is None:
-        return None
-    score, c = best
-    if now_burst.score - score < max(cfg.hysteresis, MIN_RELATIVE_GAIN * now_burst.score):
-        return None
-    return Decision(at=now, kind="move", url=c.url, src=c.src, dst=c.dst, current=current, best=c,
-                    reason=f"headroom: SLOs met; at {cfg.headroom:g}x the rate the score {now_burst.score:.3f} -> "
-                           f"{score:.3f} moving {c.url} {c.src}->{c.dst}")
+        if heading[c.src] > target.pools[c.src] and heading[c.dst] < target.pools[c.dst]:
+            if out is None or better(c.prediction, out.prediction):
+                out = c
+    return out
 
 
 def _hold(now: float, reason: str, current: Optional[Prediction] = None,
-          cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None) -> Decision:
-    return Decision(at=now, kind="hold", reason=reason, current=current, candidates=cands or [], best=best)
+          cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None,
+          target: Optional[Prediction] = None) -> Decision:
+    return Decision(at=now, kind="hold", reason=reason, current=current, candidates=cands or [], best=best,
+                    target=target)
 
 
 def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad], traffic: Traffic,
@@ -224,39 +337,40 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     if cfg.mode != "sla":
         return _hold(now, "planner is static")
     pools = pool_counts(loads)
+    heading = heading_for(pools, state)
     load = PoolLoad(loads)
     predictor = make_predictor(cfg, cost, pools)
-    current = predictor.predict(pools, load, traffic)
+    current = predictor.predict(heading, load, traffic)
     if current is None:
         return _hold(now, "no observed TTFT/TPOT yet (streamed requests) and no --planner-profile")
     cands = candidates(now, cfg, state, loads, predictor, load, traffic)
-    legal = [c for c in cands if c.legal and c.prediction is not None]
-    # a first step must not make things worse on its own, whatever lies further along
-    steps = [c for c in legal if c.prediction.score <= current.score or goal(c) is c.prediction]
-    best = min(steps, key=lambda c: goal(c).score) if steps else None
-    if len(state.in_flight) >= cfg.max_concurrent_moves:
-        return _hold(now, f"{len(state.in_flight)} move(s) in flight", current, cands, best)
-    cooldown = state.cooldown_left(now, cfg)
-    if cooldown > 0:
-        return _hold(now, f"cooldown, {cooldown:.1f} s left", current, cands, best)
     if traffic.arrival_rate <= 0:
-        return _hold(now, "no arrivals in the window", current, cands, best)
+        return _hold(now, "no arrivals in the window", current, cands)
     if cost is not None and traffic.mean_input_tokens <= 0:
-        return _hold(now, "no request finished in the window yet: lengths unknown", current, cands, best)
+        return _hold(now, "no request finished in the window yet: lengths unknown", current, cands)
+    target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool)
+    if target is None:
+        return _hold(now, "no allowed layout", current, cands)
+    current.capacity = capacity(predictor, heading, load, traffic) or 0.0
+    pays, what = gain_enough(current, target, cfg.hysteresis)
+    why = f"{what} at {_brief(target.pools)}"
+    if not pays:
+        return _hold(now, f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
+                     current, cands, target=target)
+    legal = [c for c in cands if c.legal and c.prediction is not None]
+    best = toward(target, heading, legal)
+    if len(state.in_flight) >= cfg.max_concurrent_moves:
+        return _hold(now, f"{len(state.in_flight)} move(s) in flight; {why}", current, cands, best, target)
     if best is None:
-        return _hold(now, "no legal move", current, cands)
-    gain = current.score - goal(best).score
-    needed = max(cfg.hysteresis, MIN_RELATIVE_GAIN * current.score)
-    if gain < needed:
-        spare = headroom_move(now, cfg, pools, load, traffic, current, steps, predictor) if cost is not None else None
-        if spare is not None:
-            spare.candidates = cands
-            return spare
-        return _hold(now, f"best move {best.src}->{best.dst} lowers the score {current.score:.3f} by "
-                          f"{gain:.3f} < {needed:.3f} (hysteresis)", current, cands, best)
-    ahead = (f" (heading for {goal(best).score:.3f} after {best.target_moves} such moves)"
-             if goal(best) is not best.prediction else "")
-    return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current,
-                    best=best, candidates=cands,
-                    reason=f"score {current.score:.3f} -> {best.prediction.score:.3f}{ahead} moving {best.url} "
+        blocked = sorted({c.reason for c in cands if not c.legal and heading[c.src] > target.pools[c.src]
+                          and heading[c.dst] < target.pools[c.dst]})
+        return _hold(now, f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
+                     current, cands, target=target)
+    return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current, best=best,
+                    candidates=cands, target=target,
+                    reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
                            f"{best.src}->{best.dst}")
+
+
+def _brief(pools: dict[str, int]) -> str:
+    return f"{pools[PREFILL]}P:{pools[DECODE]}D:{pools[NULL]}N"

@@ -12,7 +12,7 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-worker-cooldown-s", "planner_worker_cooldown_s"),
                ("--planner-min-per-pool", "planner_min_per_pool"),
                ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
-               ("--planner-window-s", "planner_window_s"), ("--planner-headroom", "planner_headroom"),
+               ("--planner-window-s", "planner_window_s"), ("--planner-hysteresis", "planner_hysteresis"),
                ("--planner-profile", "planner_profile"))
 
 
@@ -29,7 +29,8 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--planner-interval-s", type=float, default=d.interval_s,
                    help=f"seconds between planner decisions (default: {d.interval_s:g})")
     g.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
-                   help=f"no move for this long after a move starts or ends (default: {d.cooldown_s:g})")
+                   help=f"for this long after a move starts or ends, no move undoes it: none out of the pool it "
+                        f"grew nor into the pool it shrank; moves the same way go on (default: {d.cooldown_s:g})")
     g.add_argument("--planner-worker-cooldown-s", type=float, default=None,
                    help="a moved worker does not move again for this long (default: 3x --planner-cooldown-s)")
     g.add_argument("--planner-min-per-pool", type=int, default=d.min_per_pool,
@@ -39,9 +40,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                    help=f"moves in flight at once (default: {d.max_concurrent_moves})")
     g.add_argument("--planner-window-s", type=float, default=d.window_s,
                    help=f"the sliding window of observed arrivals and latencies, seconds (default: {d.window_s:g})")
-    g.add_argument("--planner-headroom", type=float, default=d.headroom,
-                   help=f"while the SLOs are met, move toward the layout that best absorbs this multiple of the "
-                        f"arrival rate (needs --planner-profile; 1 turns it off) (default: {d.headroom:g})")
+    g.add_argument("--planner-hysteresis", type=float, default=d.hysteresis,
+                   help=f"the best layout must raise the predicted capacity (the arrival-rate multiple at which "
+                        f"both SLOs hold) by this fraction before the planner heads for it "
+                        f"(default: {d.hysteresis:g})")
     g.add_argument("--planner-profile", default=None, metavar="PATH",
                    help="a `tidal profile` JSON: predict with its cost model (default: none; then the planner "
                         "scales the observed latencies by load)")
@@ -52,7 +54,7 @@ def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
                          interval_s=ns.planner_interval_s, cooldown_s=ns.planner_cooldown_s,
                          worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
                          max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s,
-                         headroom=ns.planner_headroom)
+                         hysteresis=ns.planner_hysteresis)
 
 
 def planner_argv(ns: argparse.Namespace) -> list[str]:

@@ -104,7 +104,7 @@ class PlannerLoop:
         self.decisions.append(d)
         self._record(d, traffic)
         if d.kind == "move":
-            self.state.started(now, d.url, d.dst)
+            self.state.started(now, d.url, d.src, d.dst)
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)

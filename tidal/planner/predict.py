@@ -19,7 +19,8 @@ tokens over the window, T = the planner interval):
   T*rho once rho >= 1 (the queue grows through the interval).
 - decode worker (PD path): TPOT = decode_step_seconds(B, B*(I + O/2)) at the batch B that
   Little's law gives, B = lambda_w * O * TPOT (solved by iteration), at least the pool's
-  running requests / D now, at most the KV capacity max_total_tokens / (I + O). At that
+  running requests / D now, at most the KV capacity max_total_tokens / (I + O) and the
+  profile's max_running_requests (when it records it). At that
   cap the pool is saturated and the excess waits for a slot: TTFT += T * (lambda_w/mu - 1)
   with mu = B_max / (O * TPOT) requests per second.
 - null worker: both at once. Prefill runs first and stalls decode, so its TPOT is the
@@ -109,6 +110,7 @@ class CostPredictor:
     def __init__(self, cost: Any, ttft_slo_s: float, tpot_slo_s: float, interval_s: float) -> None:
         self.cost = cost
         self.deciles: Sequence[int] = ()
+        self._moments: dict[tuple[int, ...], tuple[float, float]] = {}
         self.ttft_slo_s, self.tpot_slo_s, self.interval_s = ttft_slo_s, tpot_slo_s, interval_s
 
     def predict(self, pools: dict[str, int], load: PoolLoad, traffic: Traffic) -> Prediction:
@@ -133,9 +135,7 @@ class CostPredictor:
         """(TTFT without transfer or decode, utilisation) of one worker's prefill queue. With the prompt
         lengths' deciles: the mean and the second moment of the prefill time over them (M/G/1)."""
         if deciles:
-            times = [self.cost.prefill_seconds(int(n)) for n in deciles]
-            p = sum(times) / len(times)
-            residual = sum(t * t for t in times) / len(times) / (2 * p) if p > 0 else 0.0
+            p, residual = self._decile_moments(tuple(deciles))
         else:
             p = self.cost.prefill_seconds(int(inp))
             residual = p / 2
@@ -143,9 +143,22 @@ class CostPredictor:
         backlog_s = backlog_tokens * p / inp
         return backlog_s + queue_wait(rho, 2 * residual, self.interval_s) + p, rho
 
+    def _decile_moments(self, deciles: tuple[int, ...]) -> tuple[float, float]:
+        """(mean prefill time, mean residual service time) over the prompt-length deciles; memoized, as
+        the planner predicts many layouts of one traffic."""
+        if deciles not in self._moments:
+            times = [self.cost.prefill_seconds(int(n)) for n in deciles]
+            p = sum(times) / len(times)
+            self._moments[deciles] = (p, sum(t * t for t in times) / len(times) / (2 * p) if p > 0 else 0.0)
+        return self._moments[deciles]
+
     def _batch_cap(self, inp: float, out: float, load: PoolLoad) -> float:
+        """The most requests one worker decodes at once: its KV capacity over a request's tokens, and its
+        running-request limit when the profile records it."""
         capacity = getattr(self.cost, "max_total_tokens", 0) or load.kv_tokens_total
-        return max(1.0, capacity / (inp + out)) if capacity else float("inf")
+        cap = max(1.0, capacity / (inp + out)) if capacity else float("inf")
+        running = getattr(self.cost, "max_running_requests", 0)
+        return min(cap, float(running)) if running else cap
 
     def _decode(self, lam_w: float, floor_batch: float, inp: float, out: float, load: PoolLoad,
                 stall: float) -> tuple[float, float]:
@@ -155,9 +168,12 @@ class CostPredictor:
         cap = self._batch_cap(inp, out, load)
         slow = 1.0 / (1.0 - min(stall, MAX_STALL))
         tpot = self.cost.decode_step_seconds(1, int(ctx)) * slow
-        batch = 1.0
+        batch = 0.0
         for _ in range(FIXED_POINT_ITERATIONS):
-            batch = min(cap, max(1.0, floor_batch, lam_w * out * tpot))
+            nxt = min(cap, max(1.0, floor_batch, lam_w * out * tpot))
+            if abs(nxt - batch) < 1e-3 * nxt:
+                break
+            batch = nxt
             tpot = self.cost.decode_step_seconds(max(1, round(batch)), int(batch * ctx)) * slow
         extra_ttft = 0.0
         if batch >= cap and tpot > 0:

@@ -52,6 +52,9 @@ class Prediction(msgspec.Struct, kw_only=True):
     pools: dict[str, int]  # mode -> number of workers
     paths: dict[str, PathPrediction]
     score: float  # the worst path's score; below 1: every SLO met; lower is better
+    # the largest multiple of the arrival rate (same mix) at which the layout meets both SLOs; 0: at none
+    # searched (or not computed)
+    capacity: float = 0.0
     note: str = ""
 
 
@@ -61,10 +64,7 @@ class Candidate(msgspec.Struct, kw_only=True):
     dst: str
     legal: bool
     reason: str = ""  # why it is not legal
-    prediction: Optional[Prediction] = None
-    # the best layout further along the same direction (k workers src -> dst, k = 1, 2, 4, ...)
-    target: Optional[Prediction] = None
-    target_moves: int = 1
+    prediction: Optional[Prediction] = None  # of the layout heading_for the moves in flight, plus this one
 
 
 class Decision(msgspec.Struct, kw_only=True):
@@ -77,6 +77,7 @@ class Decision(msgspec.Struct, kw_only=True):
     current: Optional[Prediction] = None
     best: Optional[Candidate] = None
     candidates: list[Candidate] = []
+    target: Optional[Prediction] = None  # the best layout found, which the moves head for
     outcome: str = ""  # for moves, once done: "ok" or "failed: ..."
 
 
@@ -85,12 +86,13 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     interval_s: float = 5.0
-    cooldown_s: float = 30.0  # after any move, before the next one
+    cooldown_s: float = 30.0  # after a move, before one that undoes it
     worker_cooldown_s: Optional[float] = None  # after a worker's move, before it moves again (None: 3x cooldown)
     min_per_pool: int = 1  # prefill and decode pools never shrink below this (null may empty)
     max_concurrent_moves: int = 1
-    hysteresis: float = 0.1  # a move must lower the score by this much (absolute) and by 10% of it
-    headroom: float = 1.0  # while the SLOs are met, compare layouts at this multiple of the rate (1: off)
+    # a target must raise the capacity by this fraction (or, where no layout meets the SLOs at any rate,
+    # lower the score by this much and by 10% of it)
+    hysteresis: float = 0.3
     window_s: float = 30.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
@@ -102,8 +104,6 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
             raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
         if self.interval_s <= 0 or self.window_s <= 0:
             raise ValueError("--planner-interval-s and --planner-window-s must be positive")
-        if self.headroom < 1:
-            raise ValueError("--planner-headroom must be >= 1")
         if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
             raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
                              "--planner-max-concurrent-moves >= 1")

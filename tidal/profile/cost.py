@@ -106,3 +106,8 @@ class CostModel:
     def max_total_tokens(self) -> int:
         """KV capacity of one server, tokens."""
         return self.profile.server.max_total_tokens
+
+    @property
+    def max_running_requests(self) -> int:
+        """The most requests one server decodes at once (0: the profile does not say)."""
+        return self.profile.server.max_running_requests

@@ -40,6 +40,7 @@ class ServerInfo(_Struct, kw_only=True):
     cpu_flags: list[str] = []
     page_size: PositiveInt = 1
     max_total_tokens: PositiveInt
+    max_running_requests: NonNegativeInt = 0  # the server's running-batch limit; 0: not recorded
     transfer_backend: str = ""
 
 

@@ -48,6 +48,10 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--phase-s", type=float, default=120.0,
                    help="shift / azure-shift: seconds per phase at rate scale 1 (phase-s / rate-scale virtual "
                         "seconds) (default: 120)")
+    p.add_argument("--phase-rate-ratio", type=float, default=1.0,
+                   help="shift / azure-shift: the chat phases run this many times as fast as the code phases "
+                        "(azure-shift replays ratio x phase-s seconds of the conversation trace per phase), so "
+                        "that both kinds of phase can load the cluster alike (default: 1)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="prompt and output token counts multiplied by this (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (synthetic arrivals, random policies) (default: 0)")
@@ -101,7 +105,7 @@ def load_cost(path: str) -> Any:
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
     return WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
                         duration_s=ns.duration_s, phase_s=ns.phase_s, length_scale=ns.length_scale,
-                        trace=ns.trace, seed=ns.seed)
+                        trace=ns.trace, seed=ns.seed, phase_rate_ratio=ns.phase_rate_ratio)
 
 
 def limits(ns: argparse.Namespace) -> Limits:

@@ -294,7 +294,7 @@ class Cluster:
     def _start_move(self, url: str, dst: str) -> None:
         w = self.registry.get(url)
         w.switching = True
-        self.state.started(self.now, url, dst)
+        self.state.started(self.now, url, w.mode, dst)
         move = Move(worker=url, src=w.mode, dst=dst, started=self.now)
         self.moves.append(move)
         self._moving[url] = move

@@ -11,6 +11,13 @@
 - azure-shift: the two Azure traces alternating every `phase_s` seconds of trace clock (code
   first), then divided by the rate scale like the others.
 
+`phase_rate_ratio` R (shift, azure-shift) runs the second kind of phase R times as fast as the
+first: a chat phase of azure-shift replays R * phase_s seconds of the conversation trace (from
+R times the phase's start, wrapping around the trace's end) in phase_s. The two traces cost very
+different amounts per request (at the same rate a code phase saturates a cluster that a
+conversation phase leaves mostly idle); R makes both phases load it alike, the case where one
+static split cannot suit both.
+
 Every workload gives the same requests at every rate scale, only closer together: the
 goodput search's attainment then moves with the rate alone, not with which slice of a
 bursty trace a rate happens to pick.
@@ -54,6 +61,7 @@ class WorkloadSpec:
     length_scale: float = 1.0  # prompt and output tokens multiplied by this (at least 1)
     trace: Optional[str] = None  # a CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or the trace directory
     seed: int = 0
+    phase_rate_ratio: float = 1.0  # shift / azure-shift: the chat phases' rate over the code phases'
 
 
 def _scaled(n: int, scale: float) -> int:
@@ -82,7 +90,8 @@ def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
     out, t = [], 0.0
     while True:
-        t += rng.expovariate(SHIFT_BASE_RATE)
+        chat = int(t // spec.phase_s) % 2 == 1
+        t += rng.expovariate(SHIFT_BASE_RATE * (spec.phase_rate_ratio if chat else 1.0))
         if t >= spec.duration_s:
             return out
         prompt, output = CODE_LIKE if int(t // spec.phase_s) % 2 == 0 else CHAT_LIKE
@@ -91,15 +100,32 @@ def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
                                 _scaled(rng.lognormvariate(math.log(output), LENGTH_SIGMA), spec.length_scale)))
 
 
+def compressed_window(rows: list[tuple[float, int, int]], start: float, span: float, ratio: float,
+                      phase_start: float, spec: WorkloadSpec) -> list[TraceRequest]:
+    """The rows of trace seconds [start, start + span * ratio) (wrapping around the trace's last row),
+    their clock divided by `ratio`, placed from `phase_start`, then divided by the rate scale."""
+    period = rows[-1][0] if rows and rows[-1][0] > 0 else 1.0
+    out = []
+    for base in (start % period - period, start % period):  # the window may wrap once past the end
+        for t, prompt, output in rows:
+            offset = t - base
+            if 0 <= offset < span * ratio:
+                out.append(TraceRequest((phase_start + offset / ratio) / spec.rate_scale,
+                                        _scaled(prompt, spec.length_scale), _scaled(output, spec.length_scale)))
+    return sorted(out, key=lambda r: r.arrival)
+
+
 def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
-    """Phase k (trace seconds [k * phase_s, (k + 1) * phase_s)) from the code trace (k even) or the conv
-    trace (k odd), then the clock divided by the rate scale."""
+    """Phase k from the code trace (k even: trace seconds [k * phase_s, (k + 1) * phase_s)) or the conv
+    trace (k odd: [R k phase_s, R (k + 1) phase_s) played R times as fast), then the clock divided by the
+    rate scale."""
     traces = (_trace_rows("azure-code", None), _trace_rows("azure-conv", None))
     out: list[TraceRequest] = []
     k = 0
     while k * spec.phase_s < spec.duration_s:
-        start, end = k * spec.phase_s / spec.rate_scale, (k + 1) * spec.phase_s / spec.rate_scale
-        out += replay(traces[k % 2], spec, start, end)
+        span = min(spec.phase_s, spec.duration_s - k * spec.phase_s)
+        ratio = spec.phase_rate_ratio if k % 2 else 1.0
+        out += compressed_window(traces[k % 2], k * spec.phase_s * ratio, span, ratio, k * spec.phase_s, spec)
         k += 1
     return out
 
@@ -107,6 +133,8 @@ def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
 def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     if spec.rate_scale <= 0:
         raise ValueError("--rate-scale must be positive")
+    if spec.phase_rate_ratio <= 0:
+        raise ValueError("--phase-rate-ratio must be positive")
     if spec.name in ("azure-code", "azure-conv"):
         return replay(_trace_rows(spec.name, spec.trace), spec)
     if spec.name == "shift":
