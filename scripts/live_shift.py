@@ -38,6 +38,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="prefill phase: prompt tokens, output tokens, requests/s (default: 768 4 0.5)")
     p.add_argument("--decode-heavy", nargs=3, type=float, default=(32, 256, 0.5), metavar=("IN", "OUT", "RATE"),
                    help="decode phase: prompt tokens, output tokens, requests/s (default: 32 256 0.5)")
+    p.add_argument("--planner-profile", default=PROFILE,
+                   help="the planner's cost model (default: the shipped tidal/profile/data/smollm2_cpu_2core.json)")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between /planner/status polls (default: 2)")
     p.add_argument("--port", type=int, default=18600, help="router port; servers on the next three (default: 18600)")
     p.add_argument("--cluster-args", default="--ttft-slo-ms 3000 --tpot-slo-ms 150 --planner-interval-s 2 "
@@ -50,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def cluster_cmd(ns: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--worker", "1",
-            "--planner", "sla", "--planner-profile", PROFILE, "--port", str(ns.port), "--base-port",
+            "--planner", "sla", "--planner-profile", ns.planner_profile, "--port", str(ns.port), "--base-port",
             str(ns.port + 1), "--bootstrap-base-port", str(ns.port + 10), *shlex.split(ns.cluster_args)]
 
 
@@ -68,14 +70,24 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise TimeoutError("cluster not ready")
 
 
+def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float) -> None:
+    """Add the decisions of one /planner/status (the last 50) to `seen`, keyed by the planner's clock:
+    seen_t is when one was first polled; a move's outcome is updated on later polls."""
+    for d in decisions:
+        rec = seen.setdefault(d["at"], {"seen_t": t, "kind": d["kind"], "reason": d["reason"]})
+        if d["kind"] == "move":
+            rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"])
+
+
 class Poller(threading.Thread):
-    """GET /planner/status every poll_s: the pool sizes, and every move decision once (by its clock)."""
+    """GET /planner/status every poll_s: the pool sizes, and every decision once (keyed by the planner's
+    clock; seen_t is the first poll that showed it; a move's outcome is updated until it drops off)."""
 
     def __init__(self, url: str, poll_s: float, t0: float) -> None:
         super().__init__(daemon=True)
         self.url, self.poll_s, self.t0 = url, poll_s, t0
         self.pools: list[dict] = []
-        self.moves: dict[float, dict] = {}
+        self.decisions: dict[float, dict] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -92,10 +104,7 @@ class Poller(threading.Thread):
         t = round(time.time() - self.t0, 1)
         self.pools.append({"t": t, **{m: len(st["pools"][m]) for m in MODES}, "moving": len(st["moving"]),
                            "rate": round(st["traffic"].get("arrival_rate", 0.0), 3)})
-        for d in st["decisions"]:
-            if d["kind"] == "move":
-                self.moves[d["at"]] = {"seen_t": t, "url": d["url"], "src": d["src"], "dst": d["dst"],
-                                       "reason": d["reason"], "outcome": d["outcome"]}
+        merge_decisions(self.decisions, st["decisions"], t)
 
 
 def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str) -> dict:
@@ -164,7 +173,8 @@ def main(argv=None) -> int:
     for p in poller.pools:
         p["phase"] = max((k for s, k in marks if s <= p["t"]), default=0)
     result = {"command": cluster_cmd(ns), "phases": phases, "pools": poller.pools,
-              "moves": sorted(poller.moves.values(), key=lambda m: m["seen_t"]),
+              "moves": [d for _, d in sorted(poller.decisions.items()) if d["kind"] == "move"],
+              "decisions": [d for _, d in sorted(poller.decisions.items())],
               "final_pools": {m: len(final["pools"][m]) for m in MODES}, "planner_config": final["config"],
               "failed_total": sum(p["failed"] for p in phases)}
     with open(ns.output, "w") as f:

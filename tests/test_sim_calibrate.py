@@ -100,3 +100,37 @@ def test_calibrate_command_writes_both_sides(tmp_path, capsys):
     assert result["config"]["host_cores"] == 2 and result["config"]["simulated"] is True
     assert result["requests"]["replayed"] == 5
     assert "ttft_p50" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calibrate_replays_a_live_three_server_run(tmp_path):
+    """A real `tidal cluster` (1 prefill, 1 decode, 1 null), a short Azure slice through `tidal bench`,
+    then `tidal sim calibrate` on its JSON: the same requests, at the same offsets, on both sides."""
+    from servers import Server, free_port, free_port_block
+
+    port, base, bport = free_port(), free_port_block(3), free_port()
+    cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--worker", "1",
+           "--port", str(port), "--base-port", str(base), "--bootstrap-base-port", str(bport),
+           "--server-args", "--max-total-tokens 8192"]
+    cluster = Server(cmd=cmd, port=port)
+    live = tmp_path / "live.json"
+    try:
+        tidal_main(["bench", "--url", cluster.url, "--dataset", "azure-conv", "--num-prompts", "10",
+                    "--trace-speedup", "2", "--max-input-len", "64", "--max-output-len", "8", "--warmup-requests", "1",
+                    "--disable-tqdm", "--output-file", str(live)])
+    finally:
+        cluster.stop()
+    bench = json.loads(live.read_text())
+    assert bench["failed"] == 0 and len(bench["requests"]) == 10
+    out = tmp_path / "calib.json"
+    tidal_main(["sim", "calibrate", "--bench-json", str(live), "--null", "1", "--prefill", "1", "--decode", "1",
+                "--host-cores", "2", "--output", str(out)])
+    result = json.loads(out.read_text())
+    sent = sorted(bench["requests"], key=lambda r: r["start"])
+    assert result["arrivals_s"] == [r["start"] for r in sent]
+    assert result["requests"]["replayed"] == 10 and result["requests"]["sim_finished"] == 10
+    assert all(r["requested_output_tokens"] == r["output_tokens"] for r in sent)  # ignore_eos: lengths as asked
+    for row in result["metrics"].values():
+        assert math.isfinite(row["live_ms"]) and row["live_ms"] > 0
+        assert math.isfinite(row["sim_ms"]) and row["sim_ms"] > 0
