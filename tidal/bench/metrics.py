@@ -13,7 +13,9 @@ LATENCIES = ("ttft", "tpot", "itl", "e2e")
 
 @dataclass
 class RequestRecord:
-    """What one request did. Times are seconds; ``start`` is relative to the run start."""
+    """What one request did. Times are seconds; ``start`` (when it was sent) is relative to the
+    run start. ``prompt_tokens`` and ``output_tokens`` are the server's counts when it reports
+    them; ``requested_output_tokens`` is the max_new_tokens asked for."""
 
     success: bool = False
     error: str = ""
@@ -23,6 +25,7 @@ class RequestRecord:
     prompt_tokens: int = 0
     output_tokens: int = 0
     start: float = 0.0
+    requested_output_tokens: int = 0
     generated_text: str = ""
 
     @property

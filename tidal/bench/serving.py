@@ -155,7 +155,7 @@ def apply_chunk(backend: str, data: dict[str, Any], st: StreamState) -> bool:
 async def send_request(session: aiohttp.ClientSession, t: Target, req: BenchRequest,
                        run_start: float) -> RequestRecord:
     """Send one streaming request and time it (TTFT, gaps between token chunks, e2e)."""
-    rec = RequestRecord(prompt_tokens=req.prompt_len)
+    rec = RequestRecord(prompt_tokens=req.prompt_len, requested_output_tokens=req.output_len)
     path, body = build_payload(t, req)
     st = StreamState()
     t0 = last = time.perf_counter()

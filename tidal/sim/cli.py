@@ -23,9 +23,10 @@ DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(_
 
 
 def add_sim_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("action", nargs="?", choices=("run", "goodput"), default="run",
+    p.add_argument("action", nargs="?", choices=("run", "goodput", "calibrate"), default="run",
                    help="run: one simulated run; goodput: the highest rate meeting the SLOs, for colocated, "
-                        "every static P:D split and the planner (default: run)")
+                        "every static P:D split and the planner; calibrate: replay a live `tidal bench` run "
+                        "(--bench-json) and compare its TTFT/TPOT with the simulation's (default: run)")
     p.add_argument("--instances", type=int, default=16, help="simulated servers (default: 16)")
     p.add_argument("--prefill", type=int, default=None,
                    help="prefill servers at the start (default: half of those not --null)")
@@ -67,6 +68,17 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--output", default=None, metavar="PATH", help="write the JSON report here (default: stdout)")
     p.add_argument("--plot", default=None, metavar="PATH",
                    help="run: a PNG of pools over time and latency vs SLO (default: none)")
+    p.add_argument("--host-cores", type=float, default=None,
+                   help="all instances share one host with this many cores: while more instances compute at once "
+                        "than the cores hold (each with the profile's torch threads), their steps stretch "
+                        "(processor sharing) (default: none, every instance has its own cores)")
+    c = p.add_argument_group("calibrate")
+    c.add_argument("--bench-json", default=None, metavar="PATH",
+                   help="the `tidal bench --output-file` JSON of the live run to replay (default: none; required "
+                        "by calibrate, whose layout is --null/--prefill/--decode, prefill and decode 1 if not given)")
+    c.add_argument("--tolerance", type=float, default=0.25,
+                   help="calibrate passes (exit 0, else 1) when the simulated TTFT and TPOT p50 are within this "
+                        "relative error of the live ones (default: 0.25)")
     g = p.add_argument_group("goodput search")
     g.add_argument("--target-attainment", type=float, default=0.9,
                    help="fraction of requests meeting both SLOs that counts as good (default: 0.9, DistServe's)")
@@ -117,7 +129,8 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
              cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
     planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode=mode)
     cfg = SimConfig(null=null, prefill=prefill, decode=decode, planner=planner, policy=ns.policy, seed=ns.seed,
-                    stop_after_miss_fraction=stop_after_miss)
+                    stop_after_miss_fraction=stop_after_miss, host_cores=ns.host_cores,
+                    instance_threads=cost.profile.server.torch_threads or 1)
     trace = make_workload(workload_spec(ns, rate_scale))
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
@@ -127,7 +140,7 @@ def run_config(ns: argparse.Namespace) -> dict:
     return {"instances": ns.instances, "null": k, "prefill": p, "decode": d, "planner": ns.planner,
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
             "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
-            "limits": vars(limits(ns)), "simulated": True}
+            "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True}
 
 
 def write_json(obj: Any, path: Optional[str]) -> None:
@@ -142,6 +155,10 @@ def write_json(obj: Any, path: Optional[str]) -> None:
 def run_sim(ns: argparse.Namespace) -> int:
     cost = load_cost(ns.profile)
     planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
+    if ns.action == "calibrate":
+        from tidal.sim.calibrate import run_calibrate
+
+        return run_calibrate(ns, cost, limits(ns))
     if ns.action == "goodput":
         from tidal.sim.goodput import run_goodput
 

@@ -9,6 +9,12 @@ What is the live code, called as is:
   of the registry (the loop's own function) and a `TrafficWindow`, on the virtual clock;
 - admission: `PrefillAdder` + `admit_waiting` inside each instance (instance.py).
 
+Host sharing (`host_cores`): instances that share one host with fewer cores than their
+threads compute more slowly together. Each step is work measured alone (the profile's
+seconds); while n instances compute at once, each runs at min(1, cores / (n x threads))
+of that speed (processor sharing), so a step stretches while others are busy. Off (None):
+every instance has its own cores, as in a cluster of many hosts.
+
 A move follows the live drain-switch path: the worker leaves every pool, finishes what it
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool.
@@ -47,6 +53,8 @@ class SimConfig:
     # stop once this fraction of requests has missed an SLO (the goodput search needs no more)
     stop_after_miss_fraction: Optional[float] = None
     drain_limit_s: float = 600.0  # after the last arrival, requests still open then end "unfinished"
+    host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
+    instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 
 
 def make_policies(name: str, seed: int) -> dict[str, Policy]:
@@ -109,6 +117,9 @@ class Cluster:
         self.missed = 0
         self.stopped_early = False
         self.rng = random.Random(cfg.seed)
+        self._work_left: dict[str, float] = {}  # host sharing: step seconds still to compute, per instance
+        self._step_token: dict[str, int] = {}  # host sharing: the step-end event that is current
+        self._share_rate, self._share_since = 1.0, 0.0
 
     # ------------------------------------------------------------ events
 
@@ -188,8 +199,38 @@ class Cluster:
         step = inst.next_step()
         if step is not None:
             inst.step = step
-            self.at(self.now + step.seconds, self._step_done, inst)
+            if self.cfg.host_cores is None:
+                self.at(self.now + step.seconds, self._step_done, inst)
+            else:
+                self._advance_shared()
+                self._work_left[inst.url] = step.seconds
+                self._reschedule_shared()
         self._check_drain(inst)
+
+    # ------------------------------------------------------------ host sharing (processor sharing)
+
+    def _advance_shared(self) -> None:
+        """Every computing instance did (now - since) x rate of its step's work."""
+        done = (self.now - self._share_since) * self._share_rate
+        for url in self._work_left:
+            self._work_left[url] = max(self._work_left[url] - done, 0.0)
+        self._share_since = self.now
+
+    def _reschedule_shared(self) -> None:
+        n = len(self._work_left)
+        self._share_rate = min(1.0, self.cfg.host_cores / (n * self.cfg.instance_threads)) if n else 1.0
+        for url, left in self._work_left.items():
+            self._step_token[url] = self._step_token.get(url, 0) + 1
+            self.at(self.now + left / self._share_rate, self._shared_step_done, (url, self._step_token[url]))
+
+    def _shared_step_done(self, arg: tuple[str, int]) -> None:
+        url, token = arg
+        if token != self._step_token[url]:
+            return  # superseded: the sharing changed after this end was scheduled
+        self._advance_shared()
+        del self._work_left[url]
+        self._step_done(self.instances[url])
+        self._reschedule_shared()
 
     def _step_done(self, inst: SimInstance) -> None:
         step: Step = inst.step

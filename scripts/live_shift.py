@@ -1,0 +1,187 @@
+"""A live phase-shift run (issue 10, item 5): `tidal cluster --prefill 1 --decode 1 --worker 1
+--planner sla` on this machine, driven by `tidal bench` through phases that alternate
+prefill-heavy traffic (long prompts, short answers) and decode-heavy traffic (short prompts,
+long answers), while GET /planner/status is polled to record the pools over time.
+
+    PYTHONPATH=$PWD python3 scripts/live_shift.py --output live_shift.json
+
+Writes a JSON (phases with their bench summary, pools over time, every move decision with
+its reason and outcome) and prints a table of pools over time and one of the phases.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import httpx
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PROFILE = os.path.join(REPO, "tidal", "profile", "data", "smollm2_cpu_2core.json")
+MODES = ("prefill", "decode", "null")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--phases", default="prefill,decode,prefill",
+                   help="the phases in order, each prefill or decode (default: prefill,decode,prefill)")
+    p.add_argument("--phase-s", type=float, default=90.0, help="seconds of arrivals per phase (default: 90)")
+    p.add_argument("--prefill-heavy", nargs=3, type=float, default=(768, 4, 0.5), metavar=("IN", "OUT", "RATE"),
+                   help="prefill phase: prompt tokens, output tokens, requests/s (default: 768 4 0.5)")
+    p.add_argument("--decode-heavy", nargs=3, type=float, default=(32, 256, 0.5), metavar=("IN", "OUT", "RATE"),
+                   help="decode phase: prompt tokens, output tokens, requests/s (default: 32 256 0.5)")
+    p.add_argument("--planner-profile", default=PROFILE,
+                   help="the planner's cost model (default: the shipped tidal/profile/data/smollm2_cpu_2core.json)")
+    p.add_argument("--poll-s", type=float, default=2.0, help="seconds between /planner/status polls (default: 2)")
+    p.add_argument("--port", type=int, default=18600, help="router port; servers on the next three (default: 18600)")
+    p.add_argument("--cluster-args", default="--ttft-slo-ms 3000 --tpot-slo-ms 150 --planner-interval-s 2 "
+                   "--planner-cooldown-s 10 --planner-window-s 20",
+                   help="extra `tidal cluster` flags (default: SLOs 3000/150 ms, interval 2 s, cooldown 10 s, "
+                        "window 20 s)")
+    p.add_argument("--output", default="live_shift.json", help="the JSON written (default: live_shift.json)")
+    return p.parse_args(argv)
+
+
+def cluster_cmd(ns: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--worker", "1",
+            "--planner", "sla", "--planner-profile", ns.planner_profile, "--port", str(ns.port), "--base-port",
+            str(ns.port + 1), "--bootstrap-base-port", str(ns.port + 10), *shlex.split(ns.cluster_args)]
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"tidal cluster exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/planner/status", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise TimeoutError("cluster not ready")
+
+
+def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float) -> None:
+    """Add the decisions of one /planner/status (the last 50) to `seen`, keyed by the planner's clock:
+    seen_t is when one was first polled; a move's outcome is updated on later polls."""
+    for d in decisions:
+        rec = seen.setdefault(d["at"], {"seen_t": t, "kind": d["kind"], "reason": d["reason"]})
+        if d["kind"] == "move":
+            rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"])
+
+
+class Poller(threading.Thread):
+    """GET /planner/status every poll_s: the pool sizes, and every decision once (keyed by the planner's
+    clock; seen_t is the first poll that showed it; a move's outcome is updated until it drops off)."""
+
+    def __init__(self, url: str, poll_s: float, t0: float) -> None:
+        super().__init__(daemon=True)
+        self.url, self.poll_s, self.t0 = url, poll_s, t0
+        self.pools: list[dict] = []
+        self.decisions: dict[float, dict] = {}
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            self.poll()
+            self.stop.wait(self.poll_s)
+        self.poll()
+
+    def poll(self) -> None:
+        try:
+            st = httpx.get(self.url + "/planner/status", timeout=5).json()
+        except (httpx.HTTPError, ValueError):
+            return
+        t = round(time.time() - self.t0, 1)
+        self.pools.append({"t": t, **{m: len(st["pools"][m]) for m in MODES}, "moving": len(st["moving"]),
+                           "rate": round(st["traffic"].get("arrival_rate", 0.0), 3)})
+        merge_decisions(self.decisions, st["decisions"], t)
+
+
+def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str) -> dict:
+    inp, out, rate = ns.prefill_heavy if kind == "prefill" else ns.decode_heavy
+    path = os.path.join(out_dir, f"phase{k}_{kind}.json")
+    cmd = [sys.executable, "-m", "tidal.cli", "bench", "--url", f"http://127.0.0.1:{ns.port}", "--dataset", "random",
+           "--random-input-len", str(int(inp)), "--random-output-len", str(int(out)), "--random-range-ratio", "0.8",
+           "--request-rate", str(rate), "--num-prompts", str(max(1, int(rate * ns.phase_s))),
+           "--warmup-requests", "0", "--seed", str(k + 1), "--disable-tqdm", "--output-file", path]
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    with open(path) as f:
+        res = json.load(f)
+    return {"phase": k, "kind": kind, "input": int(inp), "output": int(out), "rate": rate,
+            "requests": res["num_requests"], "failed": res["failed"],
+            "errors": sorted({r["error"] for r in res["requests"] if r["error"]})[:3],
+            "ttft_p50_ms": res["ttft_ms"]["p50"], "tpot_p50_ms": res["tpot_ms"]["p50"],
+            "ttft_p90_ms": res["ttft_ms"]["p90"], "tpot_p90_ms": res["tpot_ms"]["p90"]}
+
+
+def pool_changes(pools: list[dict]) -> list[dict]:
+    """The polls where the P/D/N/moving counts changed (and the first and last)."""
+    out = []
+    for i, p in enumerate(pools):
+        key = tuple(p[m] for m in (*MODES, "moving"))
+        if i == 0 or i == len(pools) - 1 or key != tuple(out[-1][m] for m in (*MODES, "moving")):
+            out.append(p)
+    return out
+
+
+def print_tables(result: dict) -> None:
+    print("| t (s) | P | D | N | moving | phase |\n|---|---|---|---|---|---|")
+    for p in pool_changes(result["pools"]):
+        print(f"| {p['t']:.0f} | {p['prefill']} | {p['decode']} | {p['null']} | {p['moving']} | {p.get('phase', '')} |")
+    print("\n| phase | kind | in/out tokens | rate | requests | failed | TTFT p50 (ms) | TPOT p50 (ms) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for ph in result["phases"]:
+        print(f"| {ph['phase']} | {ph['kind']} | {ph['input']}/{ph['output']} | {ph['rate']} | {ph['requests']} | "
+              f"{ph['failed']} | {ph['ttft_p50_ms']:.0f} | {ph['tpot_p50_ms']:.1f} |")
+    for m in result["moves"]:
+        print(f"move at {m['seen_t']} s: {m['src']} -> {m['dst']} ({m['outcome']}): {m['reason']}")
+
+
+def main(argv=None) -> int:
+    ns = parse_args(argv)
+    url = f"http://127.0.0.1:{ns.port}"
+    log = open(os.path.splitext(ns.output)[0] + ".cluster.log", "w")
+    proc = subprocess.Popen(cluster_cmd(ns), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_ready(url, proc)
+        t0 = time.time()
+        poller = Poller(url, ns.poll_s, t0)
+        poller.start()
+        phases, marks = [], []
+        with tempfile.TemporaryDirectory() as tmp:
+            for k, kind in enumerate(ns.phases.split(",")):
+                marks.append((time.time() - t0, k))
+                phases.append({**bench_phase(ns, kind, k, tmp), "start_s": round(marks[-1][0], 1),
+                               "end_s": round(time.time() - t0, 1)})
+        poller.stop.set()
+        poller.join(30)
+        final = httpx.get(url + "/planner/status", timeout=10).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
+        log.close()
+    for p in poller.pools:
+        p["phase"] = max((k for s, k in marks if s <= p["t"]), default=0)
+    result = {"command": cluster_cmd(ns), "phases": phases, "pools": poller.pools,
+              "moves": [d for _, d in sorted(poller.decisions.items()) if d["kind"] == "move"],
+              "decisions": [d for _, d in sorted(poller.decisions.items())],
+              "final_pools": {m: len(final["pools"][m]) for m in MODES}, "planner_config": final["config"],
+              "failed_total": sum(p["failed"] for p in phases)}
+    with open(ns.output, "w") as f:
+        json.dump(result, f, indent=1)
+    print_tables(result)
+    return 0 if result["failed_total"] == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

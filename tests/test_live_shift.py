@@ -1,0 +1,32 @@
+"""scripts/live_shift.py's bookkeeping: pools over time and the planner's decisions, each once."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+spec = importlib.util.spec_from_file_location("live_shift", os.path.join(REPO, "scripts", "live_shift.py"))
+live_shift = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(live_shift)
+
+
+def pools(t, p, d, n, moving=0):
+    return {"t": t, "prefill": p, "decode": d, "null": n, "moving": moving}
+
+
+def test_pool_changes_keeps_the_first_last_and_every_change():
+    polls = [pools(0, 1, 1, 1), pools(2, 1, 1, 1), pools(4, 1, 1, 0, 1), pools(6, 1, 1, 0, 1), pools(8, 1, 2, 0),
+             pools(10, 1, 2, 0)]
+    assert [p["t"] for p in live_shift.pool_changes(polls)] == [0, 4, 8, 10]
+
+
+def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
+    seen = {}
+    move = {"at": 50.0, "kind": "move", "reason": "r", "url": "u", "src": "null", "dst": "decode", "outcome": ""}
+    hold = {"at": 48.0, "kind": "hold", "reason": "cooldown"}
+    live_shift.merge_decisions(seen, [move, hold], t=10.0)
+    live_shift.merge_decisions(seen, [{**move, "outcome": "ok"}, hold], t=12.0)
+    assert seen[50.0] == {"seen_t": 10.0, "kind": "move", "reason": "r", "url": "u", "src": "null", "dst": "decode",
+                          "outcome": "ok"}
+    assert seen[48.0] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}

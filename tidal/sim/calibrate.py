@@ -1,0 +1,119 @@
+"""`tidal sim calibrate`: does the simulator predict a live run?
+
+It reads the JSON that `tidal bench --output-file` wrote for a live cluster, replays exactly
+its requests (each one's send offset, the server's prompt token count, the output tokens it
+generated, or asked for when it failed) through `tidal.sim.engine.Cluster` with the same
+layout and a static planner, and sets the live and simulated TTFT and TPOT side by side
+(p50, p90, the relative error of the simulation). The run passes when both p50s are within
+the tolerance.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from typing import Any, Sequence
+
+from tidal.sim.engine import Cluster, SimConfig
+from tidal.sim.instance import Limits
+from tidal.sim.report import percentile
+from tidal.sim.workload import TraceRequest
+
+METRICS = ("ttft", "tpot")
+QUANTILES = (50, 90)
+
+
+def load_bench(path: str) -> dict:
+    with open(path) as f:
+        bench = json.load(f)
+    if not bench.get("requests"):
+        raise SystemExit(f"tidal sim calibrate: {path} has no per-request records (a `tidal bench --output-file` JSON)")
+    return bench
+
+
+def replayed_trace(bench: dict) -> list[TraceRequest]:
+    """The live requests in send order, as the simulator's trace."""
+    out = []
+    for r in sorted(bench["requests"], key=lambda r: r["start"]):
+        generated = r["output_tokens"] if r["success"] else r.get("requested_output_tokens") or r["output_tokens"]
+        out.append(TraceRequest(float(r["start"]), max(1, int(r["prompt_tokens"])), max(1, int(generated))))
+    return out
+
+
+def live_latencies(bench: dict) -> dict[str, list[float]]:
+    """TTFT of every successful request, TPOT of those with more than one output token (seconds)."""
+    ok = [r for r in bench["requests"] if r["success"]]
+    return {"ttft": [r["ttft"] for r in ok], "tpot": [r["tpot"] for r in ok if r.get("tpot") is not None]}
+
+
+def sim_latencies(c: Cluster) -> dict[str, list[float]]:
+    done = [r for r in c.requests if r.outcome == "finished"]
+    lat = [c.ttft_tpot(r) for r in done]
+    return {"ttft": [x for x, _ in lat], "tpot": [y for (_, y), r in zip(lat, done) if r.generated > 1]}
+
+
+def relative_error(sim: float, live: float) -> float:
+    return (sim - live) / live if live > 0 else math.nan
+
+
+def compare(live: dict[str, Sequence[float]], sim: dict[str, Sequence[float]], tolerance: float) -> dict:
+    """Per metric and quantile: live ms, simulated ms, relative error; passed when every p50 is within tolerance."""
+    rows: dict[str, dict] = {}
+    for m in METRICS:
+        for q in QUANTILES:
+            lv, sv = percentile(live[m], q), percentile(sim[m], q)
+            rows[f"{m}_p{q}"] = {"live_ms": lv * 1000, "sim_ms": sv * 1000, "rel_err": relative_error(sv, lv)}
+    passed = all(abs(rows[f"{m}_p50"]["rel_err"]) <= tolerance for m in METRICS)  # NaN fails
+    return {"metrics": rows, "tolerance": tolerance, "passed": passed}
+
+
+def calibrate(bench: dict, cost: Any, cfg: SimConfig, limits: Limits, tolerance: float) -> dict:
+    trace = replayed_trace(bench)
+    c = Cluster(cfg, cost, trace, limits).run()
+    outcomes = {k: sum(1 for r in c.requests if r.outcome == k) for k in ("finished", "rejected", "unfinished")}
+    return {"requests": {"live": len(bench["requests"]),
+                         "live_succeeded": sum(1 for r in bench["requests"] if r["success"]),
+                         "replayed": len(trace), **{f"sim_{k}": v for k, v in outcomes.items()}},
+            "arrivals_s": [t.arrival for t in trace],
+            **compare(live_latencies(bench), sim_latencies(c), tolerance)}
+
+
+def format_table(result: dict) -> str:
+    lines = [f"{'metric':<10}{'live ms':>12}{'sim ms':>12}{'sim/live-1':>12}"]
+    for name, row in result["metrics"].items():
+        lines.append(f"{name:<10}{row['live_ms']:>12.1f}{row['sim_ms']:>12.1f}{row['rel_err']:>+12.1%}")
+    n = result["requests"]
+    verdict = "PASS" if result["passed"] else "FAIL"
+    lines.append(f"{n['replayed']} requests replayed ({n['live_succeeded']} succeeded live, {n['sim_finished']} "
+                 f"finished simulated); p50 within {result['tolerance']:.0%}: {verdict}")
+    return "\n".join(lines)
+
+
+def calibrate_layout(ns: Any) -> tuple[int, int, int]:
+    """(null, prefill, decode) of the live run: the flags, prefill and decode 1 when not given."""
+    k = ns.null
+    p = 1 if ns.prefill is None else ns.prefill
+    d = 1 if ns.decode is None else ns.decode
+    if min(k, p, d) < 0 or (not k and not (p and d)):
+        raise SystemExit("tidal sim calibrate: need a null server, or a prefill and a decode server")
+    return k, p, d
+
+
+def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
+    from tidal.sim.cli import write_json
+
+    if not ns.bench_json:
+        raise SystemExit("tidal sim calibrate: --bench-json is required")
+    k, p, d = calibrate_layout(ns)
+    threads = cost.profile.server.torch_threads or 1
+    cfg = SimConfig(null=k, prefill=p, decode=d, policy=ns.policy, seed=ns.seed, host_cores=ns.host_cores,
+                    instance_threads=threads)
+    result = calibrate(load_bench(ns.bench_json), cost, cfg, limits, ns.tolerance)
+    result["config"] = {"bench_json": os.path.basename(ns.bench_json), "profile": os.path.basename(ns.profile),
+                        "null": k, "prefill": p, "decode": d, "host_cores": ns.host_cores,
+                        "instance_threads": threads, "policy": ns.policy, "simulated": True}
+    if ns.output:
+        write_json(result, ns.output)
+    print(format_table(result))
+    return 0 if result["passed"] else 1
