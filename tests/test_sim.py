@@ -165,6 +165,28 @@ def test_planner_moves_toward_prefill_in_a_code_like_phase(tmp_path):
     assert d["moves"][0]["started"] < 60  # inside the code-like phase
 
 
+def test_phase_layouts_follow_the_phases_with_every_move_at_once(tmp_path):
+    """--phase-layouts 3:1:0,0:0:4 on 4 servers: at each phase start the cluster heads for that phase's
+    layout with all the moves it takes at once, drains and switches paid; every request ends once."""
+    d = sim_json(tmp_path, "phases", "--instances", "4", "--null", "4", "--workload", "shift", "--phase-s", "60",
+                 "--duration-s", "240", "--length-scale", "0.25", "--phase-layouts", "3:1:0,0:0:4",
+                 "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    s = d["summary"]
+    assert s["finished"] + s["rejected"] + s["unfinished"] == s["requests"] > 0
+    starts = sorted({round(m["started"]) for m in d["moves"]})
+    assert starts[0] == 0 and all(m["outcome"] == "ok" for m in d["moves"])
+    at = lambda t: [p for p in d["pools"] if p["t"] <= t][-1]  # noqa: E731
+    assert (at(55)["prefill"], at(55)["decode"], at(55)["null"]) == (3, 1, 0)
+    assert (at(115)["prefill"], at(115)["decode"], at(115)["null"]) == (0, 0, 4)
+    assert (at(175)["prefill"], at(175)["decode"], at(175)["null"]) == (3, 1, 0)
+    assert max(p["moving"] for p in d["pools"]) >= 3  # moved together, not one per interval
+
+
+def test_phase_layouts_are_checked(capsys):
+    with pytest.raises(SystemExit, match="must add up to --instances 4"):
+        main(["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
+
+
 def test_planner_moves_toward_decode_in_a_chat_like_phase(tmp_path):
     d = sim_json(tmp_path, "chat", "--instances", "8", "--prefill", "6", "--decode", "2", "--workload", "shift",
                  "--phase-s", "120", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",

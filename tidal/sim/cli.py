@@ -88,7 +88,13 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
     g.add_argument("--layouts", default="colocated,static,planner",
-                   help="which of colocated, static (the splits), planner to search (default: all three)")
+                   help="which of colocated, static (the splits), planner, phases (--phase-layouts) to search "
+                        "(default: colocated,static,planner)")
+    p.add_argument("--phase-layouts", default=None, metavar="P:D:N,P:D:N",
+                   help="instead of the planner, head for these layouts (prefill:decode:null workers) in turn, one "
+                        "per workload phase (shift, azure-shift), every move at once from the phase's start: what a "
+                        "planner that knew the phases could do, paying the same drains and switches "
+                        "(default: none)")
     add_planner_args(p)
 
 
@@ -125,12 +131,32 @@ def limits(ns: argparse.Namespace) -> Limits:
                              max_running_requests=ns.max_running_requests, max_prefill_tokens=ns.max_prefill_tokens))
 
 
+def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
+    """--phase-layouts as {mode: workers} dicts, each adding up to --instances."""
+    out = []
+    for item in (ns.phase_layouts or "").split(","):
+        if not item.strip():
+            continue
+        try:
+            p, d, n = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise SystemExit(f"--phase-layouts: {item!r} is not PREFILL:DECODE:NULL") from None
+        if min(p, d, n) < 0 or p + d + n != ns.instances or not (n or (p and d)):
+            raise SystemExit(f"--phase-layouts: {item!r} must add up to --instances {ns.instances} and keep a "
+                             "null worker or a prefill and a decode one")
+        out.append({"prefill": p, "decode": d, "null": n})
+    return tuple(out)
+
+
 def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode: str, rate_scale: float,
              cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
-    planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode=mode)
+    """One run; mode: static, sla (the planner) or phases (--phase-layouts)."""
+    schedule = phase_layouts(ns) if mode == "phases" else ()
+    planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode="static" if schedule else mode)
     cfg = SimConfig(null=null, prefill=prefill, decode=decode, planner=planner, policy=ns.policy, seed=ns.seed,
                     stop_after_miss_fraction=stop_after_miss, host_cores=ns.host_cores,
-                    instance_threads=cost.profile.server.torch_threads or 1)
+                    instance_threads=cost.profile.server.torch_threads or 1, phase_layouts=schedule,
+                    phase_period_s=ns.phase_s / rate_scale)
     trace = make_workload(workload_spec(ns, rate_scale))
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
@@ -165,7 +191,7 @@ def run_sim(ns: argparse.Namespace) -> int:
         write_json(run_goodput(ns, cost, planner_cost), ns.output)
         return 0
     k, p, d = layout(ns)
-    c = simulate(ns, k, p, d, ns.planner, ns.rate_scale, cost, planner_cost)
+    c = simulate(ns, k, p, d, "phases" if ns.phase_layouts else ns.planner, ns.rate_scale, cost, planner_cost)
     write_json(report(c, run_config(ns), virtual_span(workload_spec(ns))), ns.output)
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "

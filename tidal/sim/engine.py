@@ -27,7 +27,7 @@ import heapq
 import random
 from typing import Any, Callable, Optional
 
-from tidal.planner.decide import PlannerState, decide
+from tidal.planner.decide import PlannerState, decide, drain_work, heading_for, pool_counts
 from tidal.planner.loop import pool_loads
 from tidal.planner.schema import NULL_PATH, PD_PATH, PlannerConfig
 from tidal.planner.window import Observation, TrafficWindow
@@ -53,6 +53,9 @@ class SimConfig:
     # stop once this fraction of requests has missed an SLO (the goodput search needs no more)
     stop_after_miss_fraction: Optional[float] = None
     drain_limit_s: float = 600.0  # after the last arrival, requests still open then end "unfinished"
+    # instead of the planner: head for these layouts ({mode: workers}) in turn, one per phase_period_s
+    phase_layouts: tuple[dict, ...] = ()
+    phase_period_s: float = 0.0
     host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
     instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 
@@ -134,7 +137,9 @@ class Cluster:
         self._record_pools()
         last = self.requests[-1].arrival if self.requests else 0.0
         self.at(self.cfg.health_check_interval_s, self._health_tick)
-        if self.cfg.planner.mode == "sla":
+        if self.cfg.phase_layouts:
+            self.at(0.0, self._phase_tick)
+        elif self.cfg.planner.mode == "sla":
             self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
         limit = self.cfg.stop_after_miss_fraction
@@ -331,6 +336,28 @@ class Cluster:
         if d.kind == "move":
             self._start_move(d.url, d.dst)
         self.at(self.now + self.cfg.planner.interval_s, self._planner_tick)
+
+    def _phase_tick(self, _: Any) -> None:
+        """Heads for the current phase's layout with every move it takes at once, the workers with the
+        least to drain first: a planner that knows the phases (an upper bound), paying drains and switches
+        like any move."""
+        self._refresh_loads()
+        k = int(self.now // self.cfg.phase_period_s) % len(self.cfg.phase_layouts)
+        target = self.cfg.phase_layouts[k]
+        loads = pool_loads(self.registry)
+        serving, heading = pool_counts(loads), heading_for(pool_counts(loads), self.state)
+        for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
+            short = sorted((m for m in MODES if heading[m] < target[m]), key=lambda m: heading[m])  # empty first
+            if heading[w.mode] <= target[w.mode] or not short:
+                continue
+            serving[w.mode] -= 1
+            if not serving[NULL] and not (serving[PREFILL] and serving[DECODE]):
+                serving[w.mode] += 1  # it would leave no path while it drains: later
+                continue
+            heading[w.mode] -= 1
+            heading[short[0]] += 1
+            self._start_move(w.url, short[0])
+        self.at(self.now + self.cfg.planner.interval_s, self._phase_tick)
 
     def _start_move(self, url: str, dst: str) -> None:
         w = self.registry.get(url)

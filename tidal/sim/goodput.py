@@ -9,7 +9,7 @@ import os
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import layout, simulate, workload_spec
+from tidal.sim.cli import layout, phase_layouts, simulate, workload_spec
 from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
@@ -66,7 +66,7 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
            "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
            "seconds": round(time.perf_counter() - t0, 2)}
-    if lay.mode == "sla" and scale > 0:
+    if lay.mode in ("sla", "phases") and scale > 0:
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost)
         out["moves_at_goodput"] = len(c.moves)
         out["moves_failed"] = sum(1 for m in c.moves if m.outcome != "ok")
@@ -115,9 +115,16 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
         start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
         results.append(goodput_of(ns, Layout(f"planner from {start_name}", ns.null, p0, d0, "sla"), cost,
                                   planner_cost, (best or {}).get("rate_scale") or last[0]))
+    if "phases" in which:
+        first = phase_layouts(ns)[0] if ns.phase_layouts else None
+        if first is None:
+            raise SystemExit("--layouts phases needs --phase-layouts")
+        results.append(goodput_of(ns, Layout(f"phase layouts {ns.phase_layouts}", first["null"], first["prefill"],
+                                             first["decode"], "phases"), cost, planner_cost,
+                                  (best or {}).get("rate_scale") or last[0]))
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
-        ratio = round(results[-1]["goodput_rps"] / best["goodput_rps"], 3)
+        ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
     return {"simulated": True, "instances": n, "workload": ns.workload, "duration_s": ns.duration_s,
             "phase_s": ns.phase_s, "phase_rate_ratio": ns.phase_rate_ratio, "length_scale": ns.length_scale,
             "profile": os.path.basename(ns.profile),
