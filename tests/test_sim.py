@@ -187,6 +187,17 @@ def test_phase_layouts_are_checked(capsys):
         main(["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
 
 
+def test_planner_starts_the_moves_toward_its_target_together(tmp_path):
+    """With --planner-max-concurrent-moves 3 the moves toward one target start in the same interval
+    (the live loop decides until it holds, as the simulator does), never more than 3 in flight."""
+    d = sim_json(tmp_path, "together", "--instances", "8", "--workload", "shift", "--phase-s", "240", "--rate-scale",
+                 "4", "--duration-s", "240", "--length-scale", "0.25", "--planner", "sla",
+                 "--planner-max-concurrent-moves", "3", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    starts = [m["started"] for m in d["moves"]]
+    assert starts and max(starts.count(t) for t in starts) >= 2, starts
+    assert max(p["moving"] for p in d["pools"]) <= 3
+
+
 def test_planner_moves_toward_decode_in_a_chat_like_phase(tmp_path):
     d = sim_json(tmp_path, "chat", "--instances", "8", "--prefill", "6", "--decode", "2", "--workload", "shift",
                  "--phase-s", "120", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",

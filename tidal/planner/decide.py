@@ -336,6 +336,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     """The decision for this interval. `loads`: the workers in a pool now (healthy, not switching)."""
     if cfg.mode != "sla":
         return _hold(now, "planner is static")
+    loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     load = PoolLoad(loads)

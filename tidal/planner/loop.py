@@ -94,21 +94,24 @@ class PlannerLoop:
     # ------------------------------------------------------------ one interval
 
     async def tick(self) -> Decision:
+        """One interval: refresh every load, then decide until the planner holds; the moves toward one
+        target start together, up to --planner-max-concurrent-moves in flight. Returns the last decision."""
         registry: WorkerRegistry = self.st.registry
         await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
         now = self.clock()
         self.last_loads = pool_loads(registry)
         traffic = self.window.traffic(now)
-        d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
-        self.last = d
-        self.decisions.append(d)
-        self._record(d, traffic)
-        if d.kind == "move":
+        while True:
+            d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
+            self.last = d
+            self.decisions.append(d)
+            self._record(d, traffic)
+            if d.kind != "move":
+                return d
             self.state.started(now, d.url, d.src, d.dst)
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
-        return d
 
     async def _move(self, d: Decision) -> None:
         try:

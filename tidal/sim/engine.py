@@ -329,11 +329,14 @@ class Cluster:
 
     def _planner_tick(self, _: Any) -> None:
         self._refresh_loads()  # the live loop refreshes every /get_load before deciding
-        d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry),
-                   self.window.traffic(self.now), self.planner_cost)
-        key = "move" if d.kind == "move" else d.reason.split(",")[0].split(" ")[0]
-        self.decisions[key] = self.decisions.get(key, 0) + 1
-        if d.kind == "move":
+        traffic = self.window.traffic(self.now)
+        while True:  # as the live loop: decide until it holds
+            d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry), traffic,
+                       self.planner_cost)
+            key = "move" if d.kind == "move" else d.reason.split(",")[0].split(" ")[0]
+            self.decisions[key] = self.decisions.get(key, 0) + 1
+            if d.kind != "move":
+                break
             self._start_move(d.url, d.dst)
         self.at(self.now + self.cfg.planner.interval_s, self._planner_tick)
 
