@@ -134,3 +134,15 @@ def test_calibrate_replays_a_live_three_server_run(tmp_path):
     for row in result["metrics"].values():
         assert math.isfinite(row["live_ms"]) and row["live_ms"] > 0
         assert math.isfinite(row["sim_ms"]) and row["sim_ms"] > 0
+
+
+def test_the_cluster_settings_profile_is_shipped():
+    """The profile the calibration uses: one server as `tidal cluster` starts 3 on 2 cores."""
+    import os
+
+    from tidal.sim.cli import DEFAULT_PROFILE
+
+    path = os.path.join(os.path.dirname(DEFAULT_PROFILE), "smollm2_cpu_1thread.json")
+    server = CostModel.from_file(path).profile.server
+    assert (server.torch_threads, server.transfer_backend) == (1, "shm")
+    assert CostModel.from_file(path).kv_transfer_seconds(512) > 0
