@@ -71,10 +71,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
 
 
 def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float) -> None:
-    """Add the decisions of one /planner/status (the last 50) to `seen`, keyed by the planner's clock:
-    seen_t is when one was first polled; a move's outcome is updated on later polls."""
+    """Add the decisions of one /planner/status (the last 50) to `seen`, keyed by the planner's clock, kind
+    and worker (one interval may hold several moves and a hold): seen_t is when one was first polled; a
+    move's outcome is updated on later polls."""
     for d in decisions:
-        rec = seen.setdefault(d["at"], {"seen_t": t, "kind": d["kind"], "reason": d["reason"]})
+        key = (d["at"], d["kind"], d.get("url") or "")
+        rec = seen.setdefault(key, {"seen_t": t, "kind": d["kind"], "reason": d["reason"]})
         if d["kind"] == "move":
             rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"])
 
@@ -87,7 +89,7 @@ class Poller(threading.Thread):
         super().__init__(daemon=True)
         self.url, self.poll_s, self.t0 = url, poll_s, t0
         self.pools: list[dict] = []
-        self.decisions: dict[float, dict] = {}
+        self.decisions: dict[tuple, dict] = {}
         self.stop = threading.Event()
 
     def run(self) -> None:

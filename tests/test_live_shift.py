@@ -22,11 +22,16 @@ def test_pool_changes_keeps_the_first_last_and_every_change():
 
 
 def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
+    """One planner interval may hold two moves and a hold (same clock): each is kept once."""
     seen = {}
     move = {"at": 50.0, "kind": "move", "reason": "r", "url": "u", "src": "null", "dst": "decode", "outcome": ""}
-    hold = {"at": 48.0, "kind": "hold", "reason": "cooldown"}
-    live_shift.merge_decisions(seen, [move, hold], t=10.0)
-    live_shift.merge_decisions(seen, [{**move, "outcome": "ok"}, hold], t=12.0)
-    assert seen[50.0] == {"seen_t": 10.0, "kind": "move", "reason": "r", "url": "u", "src": "null", "dst": "decode",
-                          "outcome": "ok"}
-    assert seen[48.0] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}
+    move2 = {**move, "url": "v", "src": "prefill"}
+    hold = {"at": 50.0, "kind": "hold", "reason": "2 move(s) in flight"}
+    earlier = {"at": 48.0, "kind": "hold", "reason": "cooldown"}
+    live_shift.merge_decisions(seen, [hold, move2, move, earlier], t=10.0)
+    live_shift.merge_decisions(seen, [hold, {**move2, "outcome": "ok"}, {**move, "outcome": "ok"}, earlier], t=12.0)
+    assert seen[50.0, "move", "u"] == {"seen_t": 10.0, "kind": "move", "reason": "r", "url": "u", "src": "null",
+                                       "dst": "decode", "outcome": "ok"}
+    assert seen[50.0, "move", "v"]["src"] == "prefill" and seen[50.0, "move", "v"]["outcome"] == "ok"
+    assert seen[50.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "2 move(s) in flight"}
+    assert seen[48.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}

@@ -441,3 +441,14 @@ def test_the_running_request_limit_caps_the_batch_and_the_excess_waits():
     assert tight.tpot_s == pytest.approx(step8, rel=0.01)
     assert tight.tpot_s < free.tpot_s
     assert tight.ttft_s > free.ttft_s + 5.0  # 6 req/s against 8 slots freed every 500 steps
+
+
+def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():
+    """A decode server counts PD requests still waiting for their prefill's KV as running (they hold
+    memory) but decodes only its batch: the prediction's batch floor is the batch it reports."""
+    traffic = Traffic(arrival_rate=0.5, mean_input_tokens=300, mean_output_tokens=100)
+    waiting_for_kv = layout(2, 1, 0, decode={"running_reqs": 60, "decoding_reqs": 2})
+    unknown = layout(2, 1, 0, decode={"running_reqs": 60})
+    a = decide(NOW, cfg(), PlannerState(), waiting_for_kv, traffic, COST).current.paths["pd"]
+    b = decide(NOW, cfg(), PlannerState(), unknown, traffic, COST).current.paths["pd"]
+    assert a.tpot_s < COST.decode_step_seconds(8, 8 * 350) < b.tpot_s

@@ -151,7 +151,7 @@ def test_health_info_and_models(url):
     models = openai.OpenAI(base_url=url + "/v1", api_key="x").models.list()
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     load = httpx.get(url + "/get_load").json()
-    assert set(load[0]) >= {"num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens",
+    assert set(load[0]) >= {"num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens", "num_decoding_reqs",
                             "max_total_tokens"}
     assert load[0]["max_total_tokens"] > 0 and load[0]["num_queued_prefill_tokens"] == 0
 

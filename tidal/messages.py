@@ -154,6 +154,9 @@ class StatsResp(_Msg):
     transfer_latency_histogram: dict[str, int] = {}
     transfer_latency_sum: float = 0.0
     queued_prefill_tokens: int = 0  # prompt tokens waiting for prefill (waiting queue, chunk left, role queues)
+    # requests in the running batch: num_running_reqs also counts those that only hold KV (a decode
+    # server's PD requests still waiting for their prefill's KV)
+    num_decoding_reqs: int = 0
 
 
 class LoadSnapshot(_Msg):

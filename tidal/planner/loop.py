@@ -31,7 +31,7 @@ def worker_load(w: Worker) -> WorkerLoad:
     return WorkerLoad(url=w.url, mode=w.mode, running_reqs=max(0, total - waiting), waiting_reqs=waiting,
                       queued_prefill_tokens=load.get("num_queued_prefill_tokens", 0),
                       kv_tokens_used=load.get("num_tokens", 0), kv_tokens_total=load.get("max_total_tokens", 0),
-                      in_flight=w.in_flight)
+                      in_flight=w.in_flight, decoding_reqs=load.get("num_decoding_reqs", -1))
 
 
 def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:

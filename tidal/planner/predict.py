@@ -72,7 +72,8 @@ class PoolLoad:
         for w in loads:
             self.count[w.mode] += 1
             self.queued_prefill_tokens[w.mode] += w.queued_prefill_tokens
-            self.running[w.mode] += w.running_reqs
+            # a decode server's PD requests waiting for their KV hold memory but are not in its batch
+            self.running[w.mode] += w.decoding_reqs if w.decoding_reqs >= 0 else w.running_reqs
             self.kv_tokens_total = max(self.kv_tokens_total, w.kv_tokens_total)
 
 

@@ -21,6 +21,7 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_tokens_used: int = 0
     kv_tokens_total: int = 0
     in_flight: int = 0  # requests this router has open on it
+    decoding_reqs: int = -1  # requests in its running batch (-1: not reported; running_reqs stands in)
 
     @property
     def kv_usage(self) -> float:

@@ -366,6 +366,7 @@ class Scheduler:
         return StatsResp(
             call_id=call_id,
             num_running_reqs=len(self.live_reqs()),
+            num_decoding_reqs=len(self.running),
             num_waiting_reqs=len(self.waiting_queue) + self.role.num_queued(),
             num_used_tokens=used,
             max_total_tokens=total,

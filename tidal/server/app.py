@@ -289,6 +289,7 @@ def _add_admin_routes(app: FastAPI) -> None:
         return JSONResp([{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
                           "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens,
                           "num_queued_prefill_tokens": st.queued_prefill_tokens,
+                          "num_decoding_reqs": st.num_decoding_reqs,
                           "max_total_tokens": st.max_total_tokens,
                           "age_s": round(age, 3)}])
 

@@ -138,7 +138,8 @@ class SimInstance:
         if self.chunked is not None:
             queued += self.chunked.prefill_tokens_left
         return {"num_reqs": waiting + len(self.running) + (self.chunked is not None), "num_waiting_reqs": waiting,
-                "num_tokens": self.kv_used, "num_queued_prefill_tokens": queued, "max_total_tokens": self.capacity}
+                "num_tokens": self.kv_used, "num_queued_prefill_tokens": queued, "max_total_tokens": self.capacity,
+                "num_decoding_reqs": len(self.running)}
 
     def idle(self) -> bool:
         return self.assigned == 0 and self.step is None
