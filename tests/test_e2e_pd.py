@@ -87,6 +87,24 @@ def test_openai_chat_through_router_equals_null(cluster, null_server):
     assert a["choices"][0]["message"]["content"] == b["choices"][0]["message"]["content"]
 
 
+def test_prompt_only_and_openai_errors_through_router(cluster, null_server):
+    """max_new_tokens 0 over PD: the decode side drops the prefill's first token (no output, same
+    prompt logprobs as null); the OpenAI 400/404 answers pass through the router."""
+    router, _, decode_url, _ = cluster
+    body = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 0}, "return_logprob": True,
+            "logprob_start_len": 0}
+    pd_out = httpx.post(router.url + "/generate", json=body, timeout=300).json()
+    ref = httpx.post(null_server.url + "/generate", json=body, timeout=300).json()
+    assert pd_out["output_ids"] == [] and pd_out["meta_info"]["finish_reason"]["length"] == 0
+    assert len(pd_out["meta_info"]["input_token_logprobs"]) == len(ref["meta_info"]["input_token_logprobs"])
+    assert httpx.get(decode_url + "/get_load", timeout=10).json()[0]["num_reqs"] == 0
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "model": "nope"}, timeout=60)
+    assert r.status_code == 404 and "nope" in r.json()["error"]["message"]
+    r = httpx.post(router.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 0}, timeout=60)
+    assert r.status_code == 400 and "max_tokens" in r.json()["error"]["message"]
+    assert gen(router.url, PROMPTS[0], 4)["meta_info"]["completion_tokens"] == 4
+
+
 def test_raw_bootstrap_requests_without_router(cluster, null_server):
     _, prefill_url, decode_url, bport = cluster
     room = random.randrange(2**63)

@@ -264,14 +264,14 @@ def test_unknown_fields_ignored(url):
 
 def test_completions(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x")
-    c = client.completions.create(model="m", prompt="Hello world", max_tokens=4, temperature=0)
+    c = client.completions.create(model="default", prompt="Hello world", max_tokens=4, temperature=0)
     assert c.choices[0].text == "Hello worldHello world" and c.choices[0].finish_reason == "length"
     assert c.usage.prompt_tokens == 2 and c.usage.completion_tokens == 4 and c.usage.total_tokens == 6
     assert c.usage.prompt_tokens_details.cached_tokens >= 0
-    multi = client.completions.create(model="m", prompt=["a", "b c"], max_tokens=1, n=2)
+    multi = client.completions.create(model="default", prompt=["a", "b c"], max_tokens=1, n=2)
     assert [ch.index for ch in multi.choices] == [0, 1, 2, 3]
     assert [ch.text for ch in multi.choices] == ["a", "a", "b", "b"]
-    ids = client.completions.create(model="m", prompt=[19556, 905], max_tokens=2, echo=True, logprobs=1)
+    ids = client.completions.create(model="default", prompt=[19556, 905], max_tokens=2, echo=True, logprobs=1)
     assert ids.choices[0].text == "Hello worldHello world"
     assert ids.choices[0].logprobs.tokens == ["Hello", " world", "Hello", " world"]
     assert ids.choices[0].logprobs.token_logprobs[0] is None
@@ -279,7 +279,7 @@ def test_completions(url):
 
 def test_completions_stream(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x")
-    chunks = list(client.completions.create(model="m", prompt="Hello world", max_tokens=5, stream=True,
+    chunks = list(client.completions.create(model="default", prompt="Hello world", max_tokens=5, stream=True,
                                             stream_options={"include_usage": True}))
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == "Hello worldHello worldHello"
@@ -291,18 +291,18 @@ def test_completions_stream(url):
 def test_chat(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x")
     msgs = [{"role": "user", "content": "hi"}]
-    full = client.chat.completions.create(model="m", messages=msgs, max_tokens=6)
+    full = client.chat.completions.create(model="default", messages=msgs, max_tokens=6)
     content = full.choices[0].message.content
     assert full.choices[0].message.role == "assistant" and content.startswith("system\nYou")
     assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 6
-    chunks = list(client.chat.completions.create(model="m", messages=msgs, max_completion_tokens=6, stream=True,
+    chunks = list(client.chat.completions.create(model="default", messages=msgs, max_completion_tokens=6, stream=True,
                                                  stream_options={"include_usage": True}))
     assert chunks[0].choices[0].delta.role == "assistant"
     streamed = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
     assert streamed == content
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "length"
     assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
-    lp = client.chat.completions.create(model="m", messages=msgs, max_tokens=2, logprobs=True, top_logprobs=2)
+    lp = client.chat.completions.create(model="default", messages=msgs, max_tokens=2, logprobs=True, top_logprobs=2)
     assert len(lp.choices[0].logprobs.content) == 2 and len(lp.choices[0].logprobs.content[0].top_logprobs) == 2
 
 
@@ -328,19 +328,19 @@ BAD = [
     ("/generate", {"input_ids": [99999999]}),
     ("/generate", {}),
     ("/generate", {"text": "hi", "sampling_params": {"n": 0}}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": -5}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "top_p": 2}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "temperature": -1}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "n": 0}),
-    ("/v1/completions", {"model": "m", "prompt": ""}),
-    ("/v1/completions", {"model": "m", "prompt": []}),
-    ("/v1/completions", {"model": "m"}),
-    ("/v1/completions", {"model": "m", "prompt": "hi", "max_tokens": "ten"}),
-    ("/v1/chat/completions", {"model": "m", "messages": []}),
-    ("/v1/chat/completions", {"model": "m", "messages": "hi"}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "top_p": 1.01}),
-    ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "x"}], "n": 0}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": -5}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "top_p": 2}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "temperature": -1}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "n": 0}),
+    ("/v1/completions", {"model": "default", "prompt": ""}),
+    ("/v1/completions", {"model": "default", "prompt": []}),
+    ("/v1/completions", {"model": "default"}),
+    ("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": "ten"}),
+    ("/v1/chat/completions", {"model": "default", "messages": []}),
+    ("/v1/chat/completions", {"model": "default", "messages": "hi"}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "top_p": 1.01}),
+    ("/v1/chat/completions", {"model": "default", "messages": [{"role": "user", "content": "x"}], "n": 0}),
     ("/abort_request", {}),
 ]
 
@@ -362,7 +362,7 @@ def test_malformed_json_is_400(url, path):
 
 def test_prompt_too_long_names_both_numbers(url):
     n = CONTEXT_LEN + 5
-    r = httpx.post(url + "/v1/completions", json={"model": "m", "prompt": [19556] * n})
+    r = httpx.post(url + "/v1/completions", json={"model": "default", "prompt": [19556] * n})
     msg = r.json()["error"]["message"]
     assert r.status_code == 400 and str(n) in msg and str(CONTEXT_LEN - 1) in msg
 
@@ -370,7 +370,7 @@ def test_prompt_too_long_names_both_numbers(url):
 def test_openai_client_sees_400(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
     with pytest.raises(openai.BadRequestError):
-        client.completions.create(model="m", prompt="hi", max_tokens=-1)
+        client.completions.create(model="default", prompt="hi", max_tokens=-1)
 
 
 def test_unknown_route_404_json(url):
@@ -458,7 +458,7 @@ def test_api_key(servers):
         assert r.status_code == 401 and r.json()["error"]["code"] == 401
     assert httpx.get(url + "/v1/models").status_code == 401
     client = openai.OpenAI(base_url=url + "/v1", api_key=API_KEY)
-    assert client.completions.create(model="m", prompt="hi", max_tokens=1).choices[0].text == "hi"
+    assert client.completions.create(model="default", prompt="hi", max_tokens=1).choices[0].text == "hi"
     assert httpx.get(url + "/server_info", headers={"Authorization": f"Bearer {API_KEY}"}).json()["api_key"] == "<set>"
 
 

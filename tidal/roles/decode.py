@@ -21,6 +21,7 @@ from tidal.roles.pd_common import (
     failure_reason,
     page_indices,
 )
+from tidal.scheduler.batching import finish_if_prompt_only
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
@@ -133,6 +134,10 @@ class DecodeRole:
         req.first_prefill_done = True
         req.cached_tokens = rec.cached_tokens
         s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
+        if finish_if_prompt_only(req):  # the prefill side's first token is not an output
+            req.pd = None
+            s.planner.start_decoding(req)
+            return
         req.output_ids.append(rec.output_id)
         if req.return_logprob:
             req.output_logprobs.append((rec.logprob, rec.output_id))

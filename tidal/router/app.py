@@ -56,6 +56,7 @@ from tidal.router.workers import (
 logger = logging.getLogger(__name__)
 
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
+TOKENIZER_ROUTES = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")
 ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch"})
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
 
@@ -272,6 +273,17 @@ def _add_info_routes(app: FastAPI) -> None:
     for path in ("/v1/models", "/model_info", "/get_model_info"):
         app.add_api_route(path, _forwarder(path), methods=["GET"])
 
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
+        return await _forward_get(_st(request), request.url.path, request)
+
+    @app.get("/version")
+    async def version() -> Response:
+        return _json({"version": tidal.__version__})
+
+    for path in TOKENIZER_ROUTES:  # the tokenizer is the same on every worker: any healthy one answers
+        app.add_api_route(path, _post_forwarder(path), methods=["POST"])
+
     @app.get("/health")
     async def health(request: Request) -> Response:
         st = _st(request)
@@ -294,6 +306,24 @@ def _add_info_routes(app: FastAPI) -> None:
 def _forwarder(path: str) -> Any:
     async def forward(request: Request) -> Response:
         return await _forward_get(_st(request), path, request)
+
+    forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
+    return forward
+
+
+def _post_forwarder(path: str) -> Any:
+    async def forward(request: Request) -> Response:
+        st = _st(request)
+        w = _first_healthy(st)
+        if w is None:
+            return json_error("no healthy worker available", 503)
+        headers = {**st.worker_headers(), "Content-Type": "application/json"}
+        try:
+            async with st.session.post(w.url + path, data=await request.body(), headers=headers,
+                                       timeout=aiohttp.ClientTimeout(total=st.cfg.request_timeout_s)) as r:
+                return Response(await r.read(), status_code=r.status, media_type="application/json")
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return json_error(f"worker {w.url}: {type(e).__name__}: {e}", 502)
 
     forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
     return forward

@@ -162,7 +162,8 @@ class BatchPlanner:
             if not req.first_prefill_done:
                 req.first_prefill_done = True
                 s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
-            self.append_token(req, next_ids[i], out, i)
+            if not finish_if_prompt_only(req):
+                self.append_token(req, next_ids[i], out, i)
             (on_prefilled or self.start_decoding)(req)
 
     def start_decoding(self, req: Req) -> None:
@@ -220,3 +221,12 @@ class BatchPlanner:
         for j, v in enumerate(values):
             req.input_logprobs.append((v, int(targets[j])))
             req.input_top_logprobs.append(tops[j] if tops is not None else None)
+
+
+def finish_if_prompt_only(req: Req) -> bool:
+    """max_new_tokens 0 (prompt scoring, as SGLang): the request ends after its prefill and the
+    token sampled there is not an output. True when it ended here."""
+    if req.sampling.max_new_tokens > 0:
+        return False
+    req.finish(FinishReason(type="length", length=0))
+    return True

@@ -36,6 +36,7 @@ from tidal.server.protocol import (
     SSE_DONE,
     AbortRequest,
     ApiError,
+    DetokenizeRequest,
     GenerateRequest,
     JSONResp,
     apply_expected_mode,
@@ -46,6 +47,7 @@ from tidal.server.protocol import (
     run_until_done,
     sampling_from_dict,
     sse,
+    TokenizeRequest,
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 
@@ -207,11 +209,53 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
+        return JSONResp(_reveal({"object": "list", "data": [_model_card(_ctx(request))]}, request))
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
-        ready = ctx.tm.ready
-        card = {"id": ctx.args.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "tidal",
-                "root": ctx.args.model_path, "max_model_len": ready.context_length if ready else None}
-        return JSONResp(_reveal({"object": "list", "data": [card]}, request))
+        if model_id != ctx.args.model_name:
+            raise ApiError(f"The model `{model_id}` does not exist; this server serves `{ctx.args.model_name}`.", 404)
+        return JSONResp(_reveal(_model_card(ctx), request))
+
+    for path in ("/tokenize", "/v1/tokenize"):
+        app.add_api_route(path, tokenize, methods=["POST"])
+    for path in ("/detokenize", "/v1/detokenize"):
+        app.add_api_route(path, detokenize, methods=["POST"])
+
+
+def _model_card(ctx: ServerContext) -> dict:
+    ready = ctx.tm.ready
+    return {"id": ctx.args.model_name, "object": "model", "created": int(ctx.started_at), "owned_by": "tidal",
+            "root": ctx.args.model_path, "max_model_len": ready.context_length if ready else None}
+
+
+async def tokenize(request: Request) -> Response:
+    ctx = _ctx(request)
+    body = parse_body(TokenizeRequest, await request.body())
+    openai_api.check_model(body.model, ctx.args.model_name)
+    texts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
+    check_prompt_count(len(texts), ctx.args.max_batch_size_per_request)
+    ids = await ctx.tm.tokenize_all(texts, add_special_tokens=body.add_special_tokens)
+    batched = isinstance(body.prompt, list)
+    return JSONResp({"tokens": ids if batched else ids[0], "count": [len(x) for x in ids] if batched else len(ids[0]),
+                     "max_model_len": ctx.tm.ready.context_length})
+
+
+async def detokenize(request: Request) -> Response:
+    ctx = _ctx(request)
+    body = parse_body(DetokenizeRequest, await request.body())
+    openai_api.check_model(body.model, ctx.args.model_name)
+    batched = bool(body.tokens) and isinstance(body.tokens[0], list)
+    seqs = body.tokens if batched else [body.tokens]
+    check_prompt_count(len(seqs), ctx.args.max_batch_size_per_request)
+    if ctx.tm.ready is None:
+        raise ApiError("The server is starting up.", 503)
+    vocab = ctx.tm.ready.vocab_size
+    if any(not 0 <= t < vocab for seq in seqs for t in seq):
+        raise ApiError(f"tokens must be token ids in [0, {vocab})")
+    texts = [ctx.tm.tokenizer.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
+    return JSONResp({"text": texts if batched else texts[0]})
 
 
 # ---------------------------------------------------------------- info
@@ -263,6 +307,10 @@ def _add_info_routes(app: FastAPI) -> None:
         app.add_api_route(path, server_info, methods=["GET"])
     for path in ("/model_info", "/get_model_info"):
         app.add_api_route(path, model_info, methods=["GET"])
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResp({"version": tidal.__version__})
 
     @app.get("/health")
     async def health(request: Request) -> Response:

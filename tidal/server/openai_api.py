@@ -64,6 +64,33 @@ class _Call:
         return obj
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def check_model(requested: Optional[str], served: str) -> None:
+    """404 for a `model` this server does not serve; no model and "default" mean the served one."""
+    if requested is not None and requested not in (served, "default"):
+        raise ApiError(f"The model `{requested}` does not exist; this server serves `{served}`.", 404)
+
+
+def _check_max_tokens(max_tokens: Optional[int], name: str) -> None:
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(f"{name} must be at least 1, got {max_tokens}")
+
+
+def _check_fits_context(tm: TokenizerManager, prompts: Sequence[list[int]], max_tokens: Optional[int]) -> None:
+    """400 when a prompt plus the requested completion does not fit the context (vLLM's rule)."""
+    if max_tokens is None:
+        return
+    context = tm.ready.context_length
+    for ids in prompts:
+        tm.check_input_len(len(ids))  # a prompt too long by itself gets that error
+        if len(ids) + max_tokens > context:
+            raise ApiError(f"The context length is {context} tokens, but this request needs "
+                           f"{len(ids) + max_tokens}: {len(ids)} prompt tokens plus max_tokens={max_tokens}. "
+                           "Shorten the prompt or lower max_tokens.")
+
+
 def _finish(s: ReqState) -> tuple[Optional[str], Union[int, str, None]]:
     fr = s.finish_reason
     if fr is None:
@@ -128,13 +155,14 @@ def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
 
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
+    check_model(body.model, model_name)
     refuse_unsupported_openai(body)
+    _check_max_tokens(body.max_tokens, "max_tokens")
     ids, prompts = await _completion_prompts(tm, body.prompt)
-    if body.max_tokens is not None and body.max_tokens < 0:
-        raise ApiError(f"max_tokens must be >= 0, got {body.max_tokens}")
+    _check_fits_context(tm, ids, body.max_tokens)
     want_lp = body.logprobs is not None
     reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo)
-    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
+    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", model_name, body.n, [],
                  echo=_echo_texts(tm, prompts, body.n) if body.echo else [], logprobs=want_lp,
                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
     apply_expected_mode(request, reqs)
@@ -216,6 +244,8 @@ async def _completion_chunks(tm: TokenizerManager, call: _Call) -> AsyncIterator
 
 
 def _message_dict(m: ChatMessage) -> dict:
+    if m.role not in CHAT_ROLES:
+        raise ApiError(f"Invalid chat message role {m.role!r}; the roles are {', '.join(CHAT_ROLES)}.")
     d = m.model_dump(exclude_none=True)
     if isinstance(m.content, list):
         parts = []
@@ -242,15 +272,17 @@ async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage])
 
 async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
+    check_model(body.model, model_name)
     refuse_unsupported_openai(body)
+    _check_max_tokens(body.max_tokens, "max_tokens")
+    _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is not None and max_tokens < 0:
-        raise ApiError(f"max_tokens must be >= 0, got {max_tokens}")
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true")
     ids = await chat_prompt_ids(tm, body.messages)
+    _check_fits_context(tm, [ids], max_tokens)
     reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False)
-    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", body.model or model_name, body.n, [],
+    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n, [],
                  logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage))
     apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)

@@ -101,6 +101,20 @@ class AbortRequest(_Body):
     abort_all: bool = False
 
 
+class TokenizeRequest(_Body):
+    """SGLang's /tokenize body (vLLM's has the same `prompt` and `add_special_tokens`)."""
+
+    prompt: Union[str, list[str]]
+    add_special_tokens: bool = True
+    model: Optional[str] = None
+
+
+class DetokenizeRequest(_Body):
+    tokens: Union[list[int], list[list[int]]]
+    skip_special_tokens: bool = True
+    model: Optional[str] = None
+
+
 # ---------------------------------------------------------------- OpenAI
 
 

@@ -334,7 +334,7 @@ class TokenizerManager:
         out = []
         for t in texts:
             out.append(self.tokenize(t, add_special_tokens))
-            self._check_input_len(len(out[-1]))
+            self.check_input_len(len(out[-1]))
         return out
 
     def _refuse_certainly_too_long(self, text: str) -> None:
@@ -343,7 +343,7 @@ class TokenizerManager:
         if per_token is not None and len(text) > self.ready.max_req_input_len * per_token:
             raise self._too_long(f"{len(text)} characters, so more than {len(text) // per_token} tokens")
 
-    def _check_input_len(self, n: int) -> None:
+    def check_input_len(self, n: int) -> None:
         if n > self.ready.max_req_input_len:
             raise self._too_long(f"{n} tokens")
 
@@ -363,7 +363,7 @@ class TokenizerManager:
         ready, n = self.ready, len(input_ids)
         if n == 0:
             raise ApiError("The prompt is empty; it must contain at least one token.")
-        self._check_input_len(n)
+        self.check_input_len(n)
         if any(not 0 <= t < ready.vocab_size for t in input_ids):
             raise ApiError(f"input_ids must be token ids in [0, {ready.vocab_size})")
         remaining = max(ready.context_length - n, 0)
