@@ -72,7 +72,6 @@ class Flow:
 
 class PlannerState:
     def __init__(self) -> None:
-        self.last_move_at: Optional[float] = None  # start or end of the latest move
         self.in_flight: dict[str, tuple[str, str]] = {}  # url -> (source mode, target mode)
         self.flows: dict[tuple[str, str], Flow] = {}
         self.workers: dict[str, WorkerMemory] = {}
@@ -81,7 +80,6 @@ class PlannerState:
         return self.workers.setdefault(url, WorkerMemory())
 
     def _touch(self, now: float, url: str, src: str, dst: str) -> None:
-        self.last_move_at = now
         self.memory(url).last_move_at = now
         self.flows[src, dst] = Flow(src, dst, now)
 
@@ -159,11 +157,16 @@ def after_move(pools: dict[str, int], src: str, dst: str) -> dict[str, int]:
     return out
 
 
+def has_path(layout: dict[str, int]) -> bool:
+    """Requests can be served: a null worker, or a prefill and a decode worker."""
+    return bool(layout[NULL] or (layout[PREFILL] and layout[DECODE]))
+
+
 def layout_problem(after: dict[str, int], src: str, min_per_pool: int) -> str:
     """Why the layout `after` (one worker out of `src`) is not allowed ("" when it is)."""
     if src in (PREFILL, DECODE) and after[src] < min_per_pool:
         return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
-    if not after[NULL] and not (after[PREFILL] and after[DECODE]):
+    if not has_path(after):
         return "no usable path would remain (a prefill and a decode worker, or a null one)"
     return ""
 
@@ -173,7 +176,7 @@ def target_allowed(layout: dict[str, int], current: dict[str, int], min_per_pool
     minimum (a pool already below it may stay there)."""
     if any(layout[m] < min(min_per_pool, current[m]) for m in (PREFILL, DECODE)):
         return False
-    return bool(layout[NULL] or (layout[PREFILL] and layout[DECODE]))
+    return has_path(layout)
 
 
 def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> Any:
@@ -246,11 +249,13 @@ def near(a: Prediction, best: Prediction) -> bool:
 
 
 def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic: Traffic,
-                min_per_pool: int) -> Optional[Prediction]:
+                min_per_pool: int, current_rated: Optional[Prediction] = None) -> Optional[Prediction]:
     """The best allowed layout of the same workers (`better`), near-ties going to the fewest moves from
-    `current`."""
+    `current` (`current_rated`: its prediction with capacity, when the caller has it already)."""
     total = sum(current.values())
     seen: dict[tuple[int, int], Prediction] = {}
+    if current_rated is not None and target_allowed(current, current, min_per_pool):
+        seen[current[PREFILL], current[DECODE]] = current_rated
 
     def top() -> Prediction:
         out = None
@@ -349,10 +354,10 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no arrivals in the window", current, cands)
     if cost is not None and traffic.mean_input_tokens <= 0:
         return _hold(now, "no request finished in the window yet: lengths unknown", current, cands)
-    target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool)
+    current.capacity = capacity(predictor, heading, load, traffic) or 0.0
+    target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool, current)
     if target is None:
         return _hold(now, "no allowed layout", current, cands)
-    current.capacity = capacity(predictor, heading, load, traffic) or 0.0
     pays, what = gain_enough(current, target, cfg.hysteresis)
     why = f"{what} at {_brief(target.pools)}"
     if not pays:

@@ -251,9 +251,8 @@ async def detokenize(request: Request) -> Response:
     check_prompt_count(len(seqs), ctx.args.max_batch_size_per_request)
     if ctx.tm.ready is None:
         raise ApiError("The server is starting up.", 503)
-    vocab = ctx.tm.ready.vocab_size
-    if any(not 0 <= t < vocab for seq in seqs for t in seq):
-        raise ApiError(f"tokens must be token ids in [0, {vocab})")
+    for seq in seqs:
+        ctx.tm.check_token_ids(seq, "tokens")
     texts = [ctx.tm.tokenizer.decode(seq, skip_special_tokens=body.skip_special_tokens) for seq in seqs]
     return JSONResp({"text": texts if batched else texts[0]})
 

@@ -343,6 +343,11 @@ class TokenizerManager:
         if per_token is not None and len(text) > self.ready.max_req_input_len * per_token:
             raise self._too_long(f"{len(text)} characters, so more than {len(text) // per_token} tokens")
 
+    def check_token_ids(self, ids: Sequence[int], name: str) -> None:
+        vocab = self.ready.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ApiError(f"{name} must be token ids in [0, {vocab})")
+
     def check_input_len(self, n: int) -> None:
         if n > self.ready.max_req_input_len:
             raise self._too_long(f"{n} tokens")
@@ -364,8 +369,7 @@ class TokenizerManager:
         if n == 0:
             raise ApiError("The prompt is empty; it must contain at least one token.")
         self.check_input_len(n)
-        if any(not 0 <= t < ready.vocab_size for t in input_ids):
-            raise ApiError(f"input_ids must be token ids in [0, {ready.vocab_size})")
+        self.check_token_ids(input_ids, "input_ids")
         remaining = max(ready.context_length - n, 0)
         if not max_set:
             sampling.max_new_tokens = remaining

@@ -15,6 +15,7 @@ import math
 import os
 from typing import Any, Sequence
 
+from tidal.planner.decide import has_path
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import percentile
@@ -95,7 +96,7 @@ def calibrate_layout(ns: Any) -> tuple[int, int, int]:
     k = ns.null
     p = 1 if ns.prefill is None else ns.prefill
     d = 1 if ns.decode is None else ns.decode
-    if min(k, p, d) < 0 or (not k and not (p and d)):
+    if min(k, p, d) < 0 or not has_path({"null": k, "prefill": p, "decode": d}):
         raise SystemExit("tidal sim calibrate: need a null server, or a prefill and a decode server")
     return k, p, d
 

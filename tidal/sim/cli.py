@@ -11,6 +11,7 @@ from typing import Any, Optional
 import msgspec
 
 from tidal.config import ServerArgs
+from tidal.planner.decide import has_path
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
 from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
@@ -109,7 +110,7 @@ def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
         d = n - k - p
     if min(n, k, p, d) < 0 or k + p + d != n:
         raise SystemExit(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}")
-    if not k and not (p and d):
+    if not has_path({"null": k, "prefill": p, "decode": d}):
         raise SystemExit("need a null server, or a prefill and a decode server")
     return k, p, d
 
@@ -141,10 +142,11 @@ def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
             p, d, n = (int(x) for x in item.split(":"))
         except ValueError:
             raise SystemExit(f"--phase-layouts: {item!r} is not PREFILL:DECODE:NULL") from None
-        if min(p, d, n) < 0 or p + d + n != ns.instances or not (n or (p and d)):
+        lay = {"prefill": p, "decode": d, "null": n}
+        if min(p, d, n) < 0 or p + d + n != ns.instances or not has_path(lay):
             raise SystemExit(f"--phase-layouts: {item!r} must add up to --instances {ns.instances} and keep a "
                              "null worker or a prefill and a decode one")
-        out.append({"prefill": p, "decode": d, "null": n})
+        out.append(lay)
     return tuple(out)
 
 

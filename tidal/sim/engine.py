@@ -27,7 +27,7 @@ import heapq
 import random
 from typing import Any, Callable, Optional
 
-from tidal.planner.decide import PlannerState, decide, drain_work, heading_for, pool_counts
+from tidal.planner.decide import PlannerState, decide, drain_work, has_path, heading_for, pool_counts
 from tidal.planner.loop import pool_loads
 from tidal.planner.schema import NULL_PATH, PD_PATH, PlannerConfig
 from tidal.planner.window import Observation, TrafficWindow
@@ -354,7 +354,7 @@ class Cluster:
             if heading[w.mode] <= target[w.mode] or not short:
                 continue
             serving[w.mode] -= 1
-            if not serving[NULL] and not (serving[PREFILL] and serving[DECODE]):
+            if not has_path(serving):
                 serving[w.mode] += 1  # it would leave no path while it drains: later
                 continue
             heading[w.mode] -= 1
