@@ -1,10 +1,8 @@
 #!/usr/bin/env bash
-# Interleaved A/B of two checkouts of tidal (e.g. `git worktree add ../old <rev>`), one server at
-# a time on port 31100: 3 rounds of A then B, each `tidal bench` at concurrency 1 and 8 (CONCS to
-# change), 128-token prompts, 64 output tokens, greedy. Prints median output tok/s per side.
+# Interleaved A/B: old tree ($1) vs new tree ($2); rounds of c=1 and c=8 (CONCS), one server at a time.
 # Usage: scripts/ab_bench.sh OLD_TREE NEW_TREE [OUT_DIR]
 set -u
-A=$(realpath "$1"); B=$(realpath "$2"); OUT=$(realpath -m "${3:-/tmp/ab}"); mkdir -p "$OUT"
+A=$1; B=$2; OUT=${3:-/tmp/ab}; mkdir -p $OUT
 for round in 1 2 3; do
   for side in A B; do
     tree=$A; [ $side = B ] && tree=$B
