@@ -13,7 +13,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence
 
 import aiohttp
@@ -22,6 +22,7 @@ from tqdm.auto import tqdm
 
 from tidal.cli_help import DefaultsHelpFormatter
 from tidal.config import bearer_headers, keys_from_env, mask_secrets
+from tidal.sampling_params import SamplingParams
 from tidal.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -38,6 +39,7 @@ from tidal.bench.metrics import (
 
 BACKENDS = ("tidal", "sglang", "openai", "openai-chat")
 GENERATE_BACKENDS = ("tidal", "sglang")
+SAMPLING_KEYS = frozenset(SamplingParams.__struct_fields__)
 
 
 @dataclass
@@ -50,6 +52,8 @@ class Target:
     send_ids: bool = False
     temperature: float = 0.0
     ignore_eos: bool = True
+    # merged into every request body; for /generate, sampling parameter keys go to sampling_params
+    extra_body: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,11 +81,14 @@ def build_payload(t: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
             body["input_ids"] = req.prompt_ids
         else:
             body["text"] = req.prompt
+        for key, value in t.extra_body.items():
+            (body["sampling_params"] if key in SAMPLING_KEYS else body)[key] = value
         return "/generate", body
     body = {"model": t.model, "max_tokens": req.output_len, "temperature": t.temperature,
             "stream": True, "stream_options": {"include_usage": True}}
     if t.ignore_eos:
         body["ignore_eos"] = True
+    body.update(t.extra_body)
     if t.backend == "openai":
         body["prompt"] = req.prompt_ids if t.send_ids else req.prompt
         return "/v1/completions", body
@@ -308,6 +315,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
       help="ask the server to generate exactly the requested output length")
     a("--temperature", type=float, default=0.0, help="sampling temperature sent with each request")
+    a("--extra-request-body", default=None, metavar="JSON",
+      help="JSON object merged into every request, e.g. '{\"regex\": \"[a-z ]+\"}' or "
+           "'{\"response_format\": {\"type\": \"json_object\"}}'; for tidal/sglang, sampling parameter "
+           "keys go into sampling_params (default: none)")
     a("--tokenizer", default=None, help="HF dir/name or .gguf (default: the default model)")
     a("--send-input-ids", action=argparse.BooleanOptionalAction, default=None,
       help="send token ids instead of text (default: on for tidal/sglang)")
@@ -327,7 +338,19 @@ def _make_target(ns: argparse.Namespace) -> Target:
         send_ids = ns.backend in GENERATE_BACKENDS
     return Target(backend=ns.backend, base_url=ns.url.rstrip("/"), model=ns.model or "default",
                   send_ids=bool(send_ids), temperature=ns.temperature,
-                  ignore_eos=bool(ns.ignore_eos))
+                  ignore_eos=bool(ns.ignore_eos), extra_body=_extra_body(ns.extra_request_body))
+
+
+def _extra_body(text: Optional[str]) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--extra-request-body is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise SystemExit("--extra-request-body must be a JSON object")
+    return value
 
 
 def _config(ns: argparse.Namespace, t: Target, nonce: list[int]) -> dict[str, Any]:
