@@ -189,3 +189,56 @@ def test_queue_limit_with_priority_displaces_the_lowest_queued_request():
     run.to_end()
     assert run.order[-2:] == ["q_high", "q_mid"]
     assert run.tokens["q_high"] == reference_generate([4, 5, 9], 2)
+
+
+# ---------------------------------------------------------------- prefill/decode roles
+
+
+def test_decode_server_admits_transferred_requests_by_priority():
+    """A decode server with one running slot: requests waiting for KV pre-allocation are taken
+    by priority, and the prefill server serves them in the same order."""
+    import time
+
+    from test_pd_scheduler import free_port
+
+    port = free_port()
+
+    def pd(mode: str) -> Scheduler:
+        args = ServerArgs(model_path="fake", disaggregation_mode=mode, disaggregation_transfer_backend="tcp",
+                          disaggregation_bootstrap_port=port, disable_radix_cache=(mode == "decode"),
+                          num_reserved_decode_tokens=16, enable_priority_scheduling=True, max_running_requests=1)
+        return Scheduler(args, FakeModelRunner(), tokenizer=None)
+
+    p, d = pd("prefill"), pd("decode")
+    runs = Run(p), Run(d)
+    prompts = {"blocker": [9, 8, 7], "x": [4, 4, 4], "a": [5, 5, 5], "b": [6, 6, 6], "c": [7, 7, 7]}
+
+    def send(rid: str, n: int, priority: int) -> None:
+        for s in (p, d):
+            s.handle(GenerateReq(rid=rid, input_ids=prompts[rid], sampling=SamplingParams(max_new_tokens=n, temperature=0),
+                                 bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=len(rid) * 1000 + ord(rid[0]),
+                                 priority=priority))
+
+    def step_until(done, timeout: float = 30.0) -> None:
+        deadline = time.time() + timeout
+        while not done():
+            assert time.time() < deadline, (p.role.queue_sizes(), d.role.queue_sizes())
+            for run in runs:
+                run.step()
+            time.sleep(0.001)
+
+    try:
+        send("blocker", 200, 0)
+        step_until(lambda: len(d.running) == 1)
+        send("x", 2, 0)  # pre-allocated at once: it fills the transfer queue (one slot)
+        step_until(lambda: len(d.role.transfer_queue) == 1)
+        for rid, priority in (("a", 0), ("b", 3), ("c", 1)):
+            send(rid, 2, priority)
+        step_until(lambda: len(runs[1].order) == 5)
+        assert runs[1].order == ["blocker", "x", "b", "c", "a"]
+        assert [rid for rid in runs[0].order if rid in "abc"] == ["b", "c", "a"]
+        for rid in ("a", "b", "c"):
+            assert runs[1].tokens[rid] == reference_generate(prompts[rid], 2)
+    finally:
+        d.shutdown()
+        p.shutdown()
