@@ -148,6 +148,15 @@ def test_role_switch_drains_queued_priority_requests_in_order(server):
     assert again.status_code == 200 and again.json()["output_ids"] == refs[2]
 
 
+def test_batch_generate_takes_a_priority_per_prompt(server):
+    b = {"text": ["Hello", "The sky is"], "priority": [1, 2],
+         "sampling_params": {"max_new_tokens": 2, "temperature": 0.0, "ignore_eos": True}}
+    r = httpx.post(server.url + "/generate", json=b, timeout=60)
+    assert r.status_code == 200 and [len(o["output_ids"]) for o in r.json()] == [2, 2], r.text
+    r = httpx.post(server.url + "/generate", json={**b, "priority": [1]}, timeout=60)
+    assert r.status_code == 400 and "priority" in r.json()["error"]["message"]
+
+
 # ---------------------------------------------------------------- 1P1D behind the router
 
 

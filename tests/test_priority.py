@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from fakes import FakeModelRunner, reference_generate
 from tidal.config import ServerArgs
 from tidal.messages import GenerateReq
@@ -99,8 +101,9 @@ def test_schedule_policy_orders_within_one_priority():
     assert run.order == ["first", "long2", "short2", "long1", "short1"]
 
 
-def test_higher_priority_preempts_when_max_running_requests_is_reached():
-    sched = make_sched(max_running_requests=2)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_higher_priority_preempts_when_max_running_requests_is_reached(overlap):
+    sched = make_sched(max_running_requests=2, disable_overlap_schedule=not overlap)
     run = Run(sched)
     lows = {"low1": [11, 12, 13, 14, 15], "low2": [21, 22, 23]}
     for rid, p in lows.items():
@@ -129,8 +132,9 @@ def test_equal_priority_does_not_preempt():
     assert run.order == ["first", "same"] and sched.stats.num_retracted == 0
 
 
-def test_higher_priority_preempts_when_kv_memory_is_exhausted():
-    sched = make_sched(max_total_tokens=200, max_running_requests=8)
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "serial"])
+def test_higher_priority_preempts_when_kv_memory_is_exhausted(overlap):
+    sched = make_sched(max_total_tokens=200, max_running_requests=8, disable_overlap_schedule=not overlap)
     run = Run(sched)
     lows = {f"low{i}": [30 + i] * 50 + [i + 1] for i in range(3)}
     for rid, p in lows.items():
@@ -148,6 +152,26 @@ def test_higher_priority_preempts_when_kv_memory_is_exhausted():
     assert run.tokens["high"] == reference_generate(high, 8)
     for rid, p in lows.items():
         assert run.tokens[rid] == reference_generate(p, 40), rid
+
+
+@pytest.mark.parametrize("priority", [True, False], ids=["priority", "no-priority"])
+def test_decode_memory_retraction_takes_the_lowest_priority_first(priority):
+    # both fit at admission (a low new-token ratio); decode later runs out of KV and must retract one:
+    # by default the youngest (here the high-priority one), with priority scheduling the low one
+    sched = make_sched(priority=priority, max_total_tokens=140, schedule_conservativeness=0.3)
+    run = Run(sched)
+    low, high = [3] * 40, [4] * 30
+    submit(sched, "low", low, 100, priority=0 if priority else None)
+    run.step(3)
+    submit(sched, "high", high, 45, priority=5 if priority else None)
+    run.step()
+    assert len(sched.running) == 2, "both should be admitted"
+    while sched.stats.num_retracted == 0:
+        run.step()
+    assert [r.rid for r in sched.waiting_queue] == (["low"] if priority else ["high"])
+    run.to_end()
+    assert run.tokens["low"] == reference_generate(low, 100)
+    assert run.tokens["high"] == reference_generate(high, 45)
 
 
 def test_without_the_flag_memory_pressure_makes_the_high_priority_request_wait():
@@ -200,6 +224,8 @@ def test_decode_server_admits_transferred_requests_by_priority():
     import time
 
     from test_pd_scheduler import free_port
+    from tidal.messages import AbortReq
+    from tidal.transfer import KVPoll
 
     port = free_port()
 
@@ -228,12 +254,16 @@ def test_decode_server_admits_transferred_requests_by_priority():
             time.sleep(0.001)
 
     try:
-        send("blocker", 200, 0)
+        send("blocker", 4000, 0)
         step_until(lambda: len(d.running) == 1)
         send("x", 2, 0)  # pre-allocated at once: it fills the transfer queue (one slot)
         step_until(lambda: len(d.role.transfer_queue) == 1)
         for rid, priority in (("a", 0), ("b", 3), ("c", 1)):
             send(rid, 2, priority)
+        # all three wait for pre-allocation (bootstrapped) before the blocker goes
+        step_until(lambda: len(d.role.prealloc_queue) == 3
+                   and all(r.pd.peer.poll() >= KVPoll.WaitingForInput for r in d.role.prealloc_queue))
+        d.handle(AbortReq(rid="blocker"))
         step_until(lambda: len(runs[1].order) == 5)
         assert runs[1].order == ["blocker", "x", "b", "c", "a"]
         assert [rid for rid in runs[0].order if rid in "abc"] == ["b", "c", "a"]

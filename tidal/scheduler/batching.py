@@ -139,8 +139,8 @@ class BatchPlanner:
             return 0
         match_prefix_for(head, mem.tree_cache)
         ps = mem.page_size
-        need = -(-head.extend_input_len // ps) * ps + int(head.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS)
-                                                          * self.new_token_ratio)
+        # as PrefillAdder.add_one_req: the new request's whole decode room, the running ones' scaled
+        need = -(-head.extend_input_len // ps) * ps + head.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS)
         room = PrefillAdder(mem.tree_cache, mem.allocator, s.running, self.new_token_ratio,
                             s.args.max_prefill_tokens, self.chunk_size, ps).rem_total_tokens
         slots = s.max_running_requests - len(s.running)
@@ -179,9 +179,12 @@ class BatchPlanner:
         return build_decode_batch(reqs, mem, s.runner.kv_pool) if reqs else None
 
     def retract_decode(self) -> None:
-        """Free KV by sending the youngest requests back to the waiting queue."""
+        """Free KV by sending the youngest requests (of the lowest priority first, with priority
+        scheduling) back to the waiting queue."""
         s, mem = self.s, self.s.mem
-        order = sorted(s.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        # popped from the end: the lowest priority (with priority scheduling), then the fewest outputs
+        order = sorted(s.running, key=lambda r: (-s.priority.rank(r) if s.priority.enabled else 0, len(r.output_ids),
+                                                 -len(r.origin_input_ids)), reverse=True)
         retracted: list[Req] = []
 
         def short() -> bool:
