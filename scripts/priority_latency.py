@@ -2,35 +2,61 @@
 with --enable-priority-scheduling --max-running-requests 1: all at the default priority (FCFS)
 vs the short one at priority 10 (it preempts the running request). Prints seconds to finish.
 
-Run from the repository root: `PYTHONPATH=$PWD python3 scripts/priority_latency.py`."""
-import sys, threading, time
-sys.path.insert(0, "tests")
-import httpx
-from servers import Server
+Run from the repository root: `PYTHONPATH=$PWD python3 scripts/priority_latency.py`.
+"""
 
-def body(t, n, p):
-    b = {"text": t, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
-    if p is not None: b["priority"] = p
+from __future__ import annotations
+
+import sys
+import threading
+import time
+
+import httpx
+
+sys.path.insert(0, "tests")
+from servers import Server  # noqa: E402
+
+
+def body(text: str, n: int, priority) -> dict:
+    b = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}}
+    if priority is not None:
+        b["priority"] = priority
     return b
 
-def scenario(url, prio):
-    res = {}
-    def send(name, t, n, p):
-        t0 = time.time(); r = httpx.post(url + "/generate", json=body(t, n, p), timeout=300)
-        res[name] = (time.time() - t0, r.status_code)
-    ths = [threading.Thread(target=send, args=("blocker", "Write a long story about a dragon who", 64, 0 if prio else None))]
-    ths[0].start(); time.sleep(1.0)
-    for i in range(2):
-        th = threading.Thread(target=send, args=(f"low{i}", f"Count to {i}:", 16, 0 if prio else None)); th.start(); ths.append(th); time.sleep(0.2)
-    th = threading.Thread(target=send, args=("high", "The capital of France is", 4, 10 if prio else None)); th.start(); ths.append(th)
-    for th in ths: th.join()
-    return res
 
-s = Server("--enable-priority-scheduling", "--max-running-requests", "1", "--torch-threads", "1")
-try:
-    for rep in range(2):
-        for prio in (False, True):
-            r = scenario(s.url, prio)
-            print("priority" if prio else "fcfs    ", {k: round(v[0], 2) for k, v in r.items()}, flush=True)
-finally:
-    s.stop()
+def scenario(url: str, use_priority: bool) -> dict:
+    seconds: dict[str, float] = {}
+    threads: list[threading.Thread] = []
+
+    def send(name: str, text: str, n: int, priority) -> None:
+        t0 = time.time()
+        r = httpx.post(url + "/generate", json=body(text, n, priority if use_priority else None), timeout=300)
+        r.raise_for_status()
+        seconds[name] = round(time.time() - t0, 2)
+
+    def start(*a, pause: float) -> None:
+        threads.append(threading.Thread(target=send, args=a))
+        threads[-1].start()
+        time.sleep(pause)
+
+    start("blocker", "Write a long story about a dragon who", 64, 0, pause=1.0)
+    for i in range(2):
+        start(f"low{i}", f"Count to {i}:", 16, 0, pause=0.2)
+    start("high", "The capital of France is", 4, 10, pause=0.0)
+    for t in threads:
+        t.join()
+    return seconds
+
+
+def main() -> None:
+    s = Server("--enable-priority-scheduling", "--max-running-requests", "1", "--torch-threads", "1")
+    try:
+        for _ in range(2):
+            for use_priority in (False, True):
+                print("priority" if use_priority else "fcfs    ", scenario(s.url, use_priority), flush=True)
+    finally:
+        s.stop()
+
+
+if __name__ == "__main__":
+    main()
