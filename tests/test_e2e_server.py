@@ -115,6 +115,7 @@ def test_abort_running_request(server):
         {"text": "hi", "sampling_params": {"temperature": "hot"}},
         {"text": "x " * 9000},
         {"input_ids": []},
+        {"text": "hi", "priority": 1},  # without --enable-priority-scheduling
     ],
 )
 def test_bad_input_gets_400_json(server, body):

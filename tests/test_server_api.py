@@ -353,6 +353,27 @@ def test_bad_input_is_400(url, path, body):
     assert err["code"] == 400 and err["type"] == "BadRequestError" and err["message"]
 
 
+PRIORITY_BODIES = {
+    "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}},
+    "/v1/completions": {"model": "default", "prompt": "hi", "max_tokens": 2},
+    "/v1/chat/completions": {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
+}
+
+
+@pytest.mark.parametrize("path", list(PRIORITY_BODIES))
+def test_priority_without_priority_scheduling_is_400(url, path):
+    r = httpx.post(url + path, json={**PRIORITY_BODIES[path], "priority": 3}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "--enable-priority-scheduling" in r.json()["error"]["message"]
+    assert httpx.post(url + path, json={**PRIORITY_BODIES[path], "priority": None}, timeout=30).status_code == 200
+
+
+def test_priority_of_a_batch_without_priority_scheduling_is_400(url):
+    body = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 2}, "priority": [1, 2]}
+    r = httpx.post(url + "/generate", json=body, timeout=30)
+    assert r.status_code == 400 and "--enable-priority-scheduling" in r.text
+
+
 @pytest.mark.parametrize("path", ["/generate", "/v1/completions", "/v1/chat/completions"])
 def test_malformed_json_is_400(url, path):
     for raw in (b"{not json", b"", b"[1, 2]"):

@@ -126,6 +126,9 @@ class ServerArgs:
     init_new_token_ratio: float = 0.7
     min_new_token_ratio_factor: float = 0.14
     new_token_ratio_decay_steps: int = 600
+    enable_priority_scheduling: bool = False
+    schedule_low_priority_values_first: bool = False
+    max_queued_requests: Optional[int] = None  # None: unlimited
     # prefill/decode disaggregation
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "tcp"
@@ -190,6 +193,8 @@ class ServerArgs:
             raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ValueError("--max-queued-requests must be >= 1 (leave it out for no limit)")
         if self.disaggregation_mode not in DISAGG_MODES:
             raise ValueError(f"--disaggregation-mode must be one of {DISAGG_MODES}")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
@@ -257,6 +262,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="tokens a prefill batch may hold")
     a("--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together at most")
     a("--schedule-policy", choices=SCHEDULE_POLICIES, default=d.schedule_policy, help="order of the waiting queue")
+    a("--enable-priority-scheduling", action="store_true",
+      help="order the waiting queue by each request's `priority` (then --schedule-policy) and let a waiting "
+           "request retract running ones of lower priority when memory or --max-running-requests is exhausted "
+           "(default: off; a request that sets `priority` is then a 400)")
+    a("--schedule-low-priority-values-first", action="store_true",
+      help="with --enable-priority-scheduling: smaller `priority` values are served first "
+           "(default: off, larger values first, as SGLang)")
+    a("--max-queued-requests", type=int, default=None,
+      help="most requests waiting for admission; a new one beyond it is a 503 (with "
+           "--enable-priority-scheduling it instead displaces a queued request of lower priority) "
+           "(default: unlimited)")
     a("--schedule-conservativeness", type=float, default=d.schedule_conservativeness, help="above 1 admits fewer requests (less retraction), below 1 more")
     a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode, help="role at start: null (colocated), prefill or decode")
     a("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default=d.disaggregation_transfer_backend, help="how KV moves from prefill to decode servers")

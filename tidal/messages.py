@@ -29,6 +29,7 @@ class GenerateReq(_Msg):
     logprob_start_len: int = -1  # -1: no prompt logprobs; k: prompt logprobs from position k
     top_logprobs_num: int = 0
     arrival_time: float = 0.0
+    priority: Optional[int] = None  # --enable-priority-scheduling; None counts as 0
     # prefill/decode pairing, injected by the router (SGLang's field names)
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None

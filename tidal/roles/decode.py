@@ -70,6 +70,7 @@ class DecodeRole:
         from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep, blocked = [], False
+        self.s.priority.order(self.prealloc_queue)  # memory goes to the higher priority first
         polls = poll_and_all_reduce([r.pd.peer for r in self.prealloc_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.prealloc_queue, polls):
             if poll == KVPoll.Failed:
@@ -113,6 +114,7 @@ class DecodeRole:
         from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep = []
+        self.s.priority.order(self.transfer_queue)  # running slots go to the higher priority first
         polls = poll_and_all_reduce([r.pd.peer for r in self.transfer_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.transfer_queue, polls):
             if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests:

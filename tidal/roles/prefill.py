@@ -80,6 +80,7 @@ class PrefillRole:
         from tidal.transfer import KVPoll, poll_and_all_reduce
 
         keep = []
+        self.s.priority.order(self.bootstrap_queue)  # higher priority takes metadata slots first
         polls = poll_and_all_reduce([r.pd.peer for r in self.bootstrap_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.bootstrap_queue, polls):
             if poll == KVPoll.Failed:

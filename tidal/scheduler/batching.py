@@ -15,6 +15,7 @@ from tidal.messages import FinishReason
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import compute_prompt_logprobs
 from tidal.scheduler.policy import (
+    CLIP_MAX_NEW_TOKENS,
     PrefillAdder,
     SchedulePolicy,
     admit_waiting,
@@ -55,21 +56,14 @@ class BatchPlanner:
         s = self.s
         if not s.waiting_queue and self.chunked_req is None:
             return None
-        running_bs = len(s.running)
-        if running_bs >= s.max_running_requests and self.chunked_req is None:
-            return None
         self.policy.calc_priority(s.waiting_queue)
-        mem = s.mem
-        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
-        adder = PrefillAdder(
-            mem.tree_cache, mem.allocator, running_and_chunked, self.new_token_ratio,
-            s.args.max_prefill_tokens, self.chunk_size, mem.page_size,
-        )
-        if self.chunked_req is not None:
-            adder.add_chunked_req(self.chunked_req)
-        self._admit_waiting(adder, running_bs)
-        if not adder.can_run_list:
+        s.priority.order(s.waiting_queue)
+        adder = self._admit()
+        if self._head_blocked(adder):
+            adder = self._preempt_for_head(adder)
+        if adder is None or not adder.can_run_list:
             return None
+        mem = s.mem
         for r in adder.can_run_list:
             if not r.first_prefill_done and r.is_chunked == 0:
                 r.cached_tokens = len(r.prefix_indices)
@@ -79,6 +73,83 @@ class BatchPlanner:
         if self.chunked_req is not None:
             self.chunked_req.is_chunked += 1
         return build_extend_batch(adder.can_run_list, mem, s.runner.kv_pool)
+
+    def _admit(self) -> Optional[PrefillAdder]:
+        """An adder filled from the waiting queue, or None when the running batch is full."""
+        s, mem = self.s, self.s.mem
+        running_bs = len(s.running)
+        if running_bs >= s.max_running_requests and self.chunked_req is None:
+            return None
+        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
+        adder = PrefillAdder(
+            mem.tree_cache, mem.allocator, running_and_chunked, self.new_token_ratio,
+            s.args.max_prefill_tokens, self.chunk_size, mem.page_size,
+        )
+        if self.chunked_req is not None:
+            adder.add_chunked_req(self.chunked_req)
+        self._admit_waiting(adder, running_bs)
+        return adder
+
+    # ------------------------------------------------------------------ priority preemption
+
+    def _head_blocked(self, adder: Optional[PrefillAdder]) -> bool:
+        """Priority scheduling: the first waiting request was not admitted because memory or
+        the running batch is full (not for a chunked prefill in progress), and it outranks a
+        running request."""
+        s = self.s
+        if not s.priority.enabled or not s.waiting_queue or self.chunked_req is not None:
+            return False
+        head = s.waiting_queue[0]
+        if adder is not None and any(r is head for r in adder.can_run_list):
+            return False
+        return bool(self._victims(head))
+
+    def _victims(self, head: Req) -> list[Req]:
+        s = self.s
+        return [r for r in s.priority.preemption_victims(head, s.running) if not s.in_flight(r)]
+
+    def _preempt_for_head(self, adder: Optional[PrefillAdder]) -> Optional[PrefillAdder]:
+        """Retract running requests of lower priority than the first waiting one until it is
+        admitted (as SGLang's priority preemption). Retracts nothing when even all of them
+        would not free enough; returns the adder to use."""
+        s = self.s
+        head = s.waiting_queue[0]
+        victims = self._victims(head)
+        take = self._victims_needed(head, victims)
+        if not take:
+            return adder
+        for i, victim in enumerate(victims):
+            self.retract(victim)
+            s.running.remove(victim)
+            s.waiting_queue.insert(0, victim)  # first among its priority (it started earlier); the head outranks it
+            if i + 1 < take:
+                continue
+            s.priority.order(s.waiting_queue)
+            adder = self._admit()
+            if adder is not None and any(r is head for r in adder.can_run_list):
+                break
+        logger.info("priority %d request %s preempted %d running requests", head.priority, head.rid, i + 1)
+        return adder
+
+    def _victims_needed(self, head: Req, victims: list[Req]) -> int:
+        """How many of `victims` (in order) must go for `head` to fit, by the admission
+        estimate: 0 when retracting all of them would not be enough."""
+        s, mem = self.s, self.s.mem
+        if not victims:
+            return 0
+        match_prefix_for(head, mem.tree_cache)
+        ps = mem.page_size
+        # as PrefillAdder.add_one_req: the new request's whole decode room, the running ones' scaled
+        need = -(-head.extend_input_len // ps) * ps + head.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS)
+        room = PrefillAdder(mem.tree_cache, mem.allocator, s.running, self.new_token_ratio,
+                            s.args.max_prefill_tokens, self.chunk_size, ps).rem_total_tokens
+        slots = s.max_running_requests - len(s.running)
+        for n, v in enumerate(victims, start=1):
+            room += -(-v.kv_len // ps) * ps + int(v.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
+            slots += 1
+            if slots >= 1 and need < room:
+                return n
+        return 0
 
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
         s = self.s
@@ -108,9 +179,12 @@ class BatchPlanner:
         return build_decode_batch(reqs, mem, s.runner.kv_pool) if reqs else None
 
     def retract_decode(self) -> None:
-        """Free KV by sending the youngest requests back to the waiting queue."""
+        """Free KV by sending the youngest requests (of the lowest priority first, with priority
+        scheduling) back to the waiting queue."""
         s, mem = self.s, self.s.mem
-        order = sorted(s.running, key=lambda r: (len(r.output_ids), -len(r.origin_input_ids)), reverse=True)
+        # popped from the end: the lowest priority (with priority scheduling), then the fewest outputs
+        order = sorted(s.running, key=lambda r: (-s.priority.rank(r) if s.priority.enabled else 0, len(r.output_ids),
+                                                 -len(r.origin_input_ids)), reverse=True)
         retracted: list[Req] = []
 
         def short() -> bool:
@@ -119,8 +193,7 @@ class BatchPlanner:
 
         while order and short() and len(order) > 1:
             req = order.pop()
-            mem.release(req)
-            req.reset_for_retract()
+            self.retract(req)
             retracted.append(req)
         if order and mem.decode_tokens_needed([r.kv_len for r in order]) > mem.available_tokens():
             victim = order.pop()
@@ -129,11 +202,18 @@ class BatchPlanner:
             s.emit(victim)
         s.running = [r for r in s.running if r in order]
         s.waiting_queue = retracted[::-1] + s.waiting_queue
-        s.stats.num_retracted += len(retracted)
         total_decoded = sum(len(r.output_ids) for r in order)
         total_max = sum(r.sampling.max_new_tokens for r in order)
         self.new_token_ratio = min(1.0, (total_decoded + RETRACT_DECODE_STEPS * len(order)) / (total_max + 1))
         logger.warning("KV cache is full: retracted %d requests, new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+
+    def retract(self, req: Req) -> None:
+        """Free everything a running request holds (its KV goes to the prefix cache) so it can be
+        prefilled again later from its prompt and the tokens it has produced; the caller moves
+        it from the running batch to the waiting queue."""
+        self.s.mem.release(req)
+        req.reset_for_retract()
+        self.s.stats.num_retracted += 1
 
     # ------------------------------------------------------------------ results
 

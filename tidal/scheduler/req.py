@@ -31,6 +31,7 @@ class Req:
         self.logprob_start_len = msg.logprob_start_len
         self.top_logprobs_num = msg.top_logprobs_num
         self.arrival_time = msg.arrival_time
+        self.priority = msg.priority if msg.priority is not None else 0
         self.bootstrap_host = msg.bootstrap_host
         self.bootstrap_port = msg.bootstrap_port
         self.bootstrap_room = msg.bootstrap_room

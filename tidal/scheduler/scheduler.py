@@ -32,6 +32,7 @@ from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.scheduler.batching import BatchPlanner
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
+from tidal.scheduler.priority import PriorityRules
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 from tidal.scheduler.stats import SchedulerStats
@@ -72,6 +73,7 @@ class Scheduler:
         )
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
+        self.priority = PriorityRules(args)
         self.planner = BatchPlanner(self)
         self.stats = SchedulerStats()
         self.timing = StepTiming()
@@ -121,6 +123,8 @@ class Scheduler:
         req = Req(msg)
         error = self._validate(req)
         refusal = self._refusal(msg) if error is None else None
+        if error is None and refusal is None:
+            refusal = self._make_queue_room(req)
         if error or refusal:
             message, code = (error, 400) if error else refusal
             req.finish(FinishReason(type="abort", message=message, status_code=code))
@@ -149,6 +153,28 @@ class Scheduler:
             return f"the server is in {mode} mode (epoch {epoch}), not {msg.expected_mode}", 409
         if msg.expected_epoch is not None and msg.expected_epoch != epoch:
             return f"the server is at epoch {epoch} ({mode} mode), not {msg.expected_epoch}", 409
+        return None
+
+    def num_queued(self) -> int:
+        """Requests waiting for admission: the waiting queue and the role's own queues."""
+        return len(self.waiting_queue) + self.role.num_queued()
+
+    def _make_queue_room(self, req: Req) -> Optional[tuple[str, int]]:
+        """None when `req` may queue (after displacing a queued request of lower priority if
+        --max-queued-requests is reached), else why not (503: retry later or elsewhere)."""
+        limit = self.priority.max_queued
+        if not self.priority.queue_full(self.num_queued()):
+            return None
+        fresh = [r for r in self.waiting_queue if r.num_retractions == 0]  # retracted ones keep their place
+        victim = self.priority.displaced_by(req, fresh)
+        if victim is None:
+            return f"The waiting queue is full ({limit} requests, --max-queued-requests); retry later.", 503
+        self.waiting_queue.remove(victim)
+        self.role.on_dequeued_abort(victim)
+        victim.finish(FinishReason(type="abort", status_code=503, message=(
+            f"The waiting queue is full ({limit} requests, --max-queued-requests) and a request of higher "
+            f"priority took this one's place; retry later.")))
+        self.outbox.append(victim.take_output(final=True))
         return None
 
     def _validate(self, req: Req) -> Optional[str]:

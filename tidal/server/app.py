@@ -158,7 +158,8 @@ async def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[l
                 top_logprobs_num=_pick(body.top_logprobs_num, i, "top_logprobs_num", count),
                 bootstrap=(_pick(body.bootstrap_host, i, "bootstrap_host", count),
                            _pick(body.bootstrap_port, i, "bootstrap_port", count),
-                           _pick(body.bootstrap_room, i, "bootstrap_room", count))))
+                           _pick(body.bootstrap_room, i, "bootstrap_room", count)),
+                priority=_pick(body.priority, i, "priority", count)))
     return reqs, batched, group
 
 

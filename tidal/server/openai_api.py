@@ -115,7 +115,8 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
             rid = base if len(prompts) * body.n == 1 else f"{base}-{i * body.n + j}"
             reqs.append(tm.make_req(ids, p, max_set=max_set, rid=rid, stream=body.stream, return_logprob=logprobs,
                                     logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs,
-                                    bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room)))
+                                    bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
+                                    priority=body.priority))
     return reqs
 
 

@@ -95,6 +95,7 @@ class GenerateRequest(_Body):
     bootstrap_host: Optional[Union[str, list[str]]] = None
     bootstrap_port: Optional[Union[int, list[int]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
+    priority: Optional[Union[int, list[int]]] = None  # --enable-priority-scheduling
 
 
 class AbortRequest(_Body):
@@ -147,6 +148,7 @@ class _OpenAIBase(_Body):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    priority: Optional[int] = None  # --enable-priority-scheduling (SGLang and vLLM accept it here)
     # constrained decoding: SGLang's extra fields, or OpenAI's response_format (one of them)
     regex: Optional[str] = None
     json_schema: Optional[Union[str, dict[str, Any]]] = None

@@ -380,6 +380,7 @@ class TokenizerManager:
         rid: Optional[str] = None, stream: bool = False, return_logprob: bool = False,
         logprob_start_len: int = -1, top_logprobs_num: int = 0,
         bootstrap: Optional[tuple[Optional[str], Optional[int], Optional[int]]] = None,
+        priority: Optional[int] = None,
     ) -> GenerateReq:
         """Validate one prompt and its parameters against the model limits (ApiError 400)."""
         self._check_alive()
@@ -404,11 +405,21 @@ class TokenizerManager:
         self.check_grammar(sampling)
         if not -1 <= logprob_start_len < n:
             raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
+        self.check_priority(priority)
         return GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=sampling, stream=stream,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
             top_logprobs_num=top_logprobs_num if return_logprob else 0, arrival_time=time.time(),
-            **_bootstrap_fields(bootstrap))
+            priority=priority, **_bootstrap_fields(bootstrap))
+
+    def check_priority(self, priority: Optional[int]) -> None:
+        if priority is None:
+            return
+        if not self.args.enable_priority_scheduling:
+            raise ApiError("priority is set but this server does not schedule by priority; start it with "
+                           "--enable-priority-scheduling, or leave priority out")
+        if not -2**63 <= priority < 2**63:
+            raise ApiError(f"priority must be a 64-bit integer, got {priority}")
 
     def submit(
         self, reqs: Sequence[GenerateReq], group: Optional[str] = None, *,
