@@ -35,6 +35,9 @@ class Req:
         self.bootstrap_port = msg.bootstrap_port
         self.bootstrap_room = msg.bootstrap_room
         self.pd: Any = None  # PDState while a prefill/decode role transfers this request's KV
+        self.is_embedding = msg.embedding
+        self.pool_state: Any = None  # PoolState while an embedding request's prompt is prefilled
+        self.embedding: Optional[list[float]] = None
 
         self.output_ids: list[int] = []
         # tokens whose KV this prefill round makes resident (prompt, or prompt+output after retraction)
@@ -119,6 +122,8 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
         )
+        if final and self.embedding is not None:
+            out.embedding = self.embedding
         if self.return_logprob:
             out.output_logprobs = self.output_logprobs[start:]
             if self.top_logprobs_num > 0:

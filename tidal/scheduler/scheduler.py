@@ -26,7 +26,9 @@ from tidal.messages import (
 )
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
+from tidal.model.pooling import resolve_pooling
 from tidal.scheduler.batching import BatchPlanner
+from tidal.scheduler.embedding import NOT_EMBEDDING_SERVER, Embedder
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
 from tidal.scheduler.req import Req
@@ -44,6 +46,8 @@ class Scheduler:
     def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None):
         from tidal.parallel import SingleRank
 
+        if args.is_embedding:  # embedding requests neither reuse nor keep cached prefixes
+            args = args.replace(disable_radix_cache=True)
         self.args = args
         self.runner = runner
         self.tp = getattr(runner, "tp", None) or SingleRank()  # every rank runs this same loop
@@ -79,6 +83,7 @@ class Scheduler:
         from tidal.roles import create_role
         from tidal.roles.controller import ModeController
 
+        self.embedder = Embedder(self, resolve_pooling(args)) if args.is_embedding else None
         self.role = create_role(args.disaggregation_mode, self)
         self.controller = ModeController(self)
 
@@ -115,6 +120,9 @@ class Scheduler:
             req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
+        if req.is_embedding:
+            self.waiting_queue.append(req)  # computed here in every role: a prefill, no KV transfer
+            return
         self.role.accept(req)
 
     def _refusal(self, msg: GenerateReq) -> Optional[tuple[str, int]]:
@@ -132,6 +140,8 @@ class Scheduler:
         n = len(req.origin_input_ids)
         if n == 0:
             return "The input is empty."
+        if req.is_embedding and self.embedder is None:
+            return NOT_EMBEDDING_SERVER
         if n > self.max_req_input_len:
             return (
                 f"The input ({n} tokens) is longer than the maximum allowed "
@@ -192,7 +202,11 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch):
         t0 = now()
-        logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
+        if self.embedder is not None and any(r.is_embedding for r in batch.reqs):
+            logits, hidden = self.runner.forward_with_hidden(batch.forward_batch, batch.logit_rows)
+            self.embedder.pool(batch, hidden)
+        else:
+            logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
         t1 = now()
         self.timing.add("forward", t1 - t0)
         out = self._sample(batch, logits, self._sampling_info(batch))
