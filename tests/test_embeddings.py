@@ -196,3 +196,16 @@ def test_generation_scheduler_refuses_embedding_requests(runner, prompts):
     [out] = sched.take_outbox()
     assert out.finish_reason.status_code == 400 and "--is-embedding" in out.finish_reason.message
     assert out.embedding is None
+
+
+def test_generation_server_refuses_embedding_routes():
+    from fastapi.testclient import TestClient
+
+    from tidal.server.app import ServerContext, create_app
+
+    args = ServerArgs(model_path=default_model_path())
+    client = TestClient(create_app(ServerContext(args=args, tm=None, metrics=None)))
+    for path, body in (("/v1/embeddings", {"input": "hi"}), ("/encode", {"text": "hi"})):
+        r = client.post(path, json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"] == "this server is not an embedding model; start it with --is-embedding"
