@@ -209,3 +209,17 @@ def test_generation_server_refuses_embedding_routes():
         r = client.post(path, json=body)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"] == "this server is not an embedding model; start it with --is-embedding"
+
+
+def test_aborted_chunked_embedding_frees_its_kv(runner, prompts):
+    from tidal.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(model_path=default_model_path(), is_embedding=True, chunked_prefill_size=CHUNK)
+    sched = Scheduler(args, runner)
+    sched.handle(embed_req("long", prompts[2]))
+    assert sched.step() and sched.planner.chunked_req is not None  # one chunk done, KV held
+    sched.abort("long")
+    outs = run_to_idle(sched)
+    assert outs["long"].finish_reason.type == "abort" and outs["long"].embedding is None
+    assert sched.mem.allocator.available_size() == sched.mem.max_total_tokens
+    assert sched.mem.req_to_token_pool.available_size() == sched.mem.req_to_token_pool.size
