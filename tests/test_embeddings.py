@@ -223,3 +223,33 @@ def test_aborted_chunked_embedding_frees_its_kv(runner, prompts):
     assert outs["long"].finish_reason.type == "abort" and outs["long"].embedding is None
     assert sched.mem.allocator.available_size() == sched.mem.max_total_tokens
     assert sched.mem.req_to_token_pool.available_size() == sched.mem.req_to_token_pool.size
+
+
+def test_sentence_transformers_directory_end_to_end(tmp_path):
+    """A Hugging Face directory declaring mean pooling + Normalize: the scheduler's embeddings
+    equal the directory's transformers model, mean-pooled and normalized, without any flag."""
+    import transformers
+
+    from tidal.model.runner import ModelRunner
+    from tidal.scheduler.scheduler import Scheduler
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    _st_dir(tmp_path, {"pooling_mode_mean_tokens": True}, normalize=True)
+    args = ServerArgs(model_path=str(tmp_path), dtype="float32", device="cpu", max_total_tokens=512,
+                      torch_threads=1, is_embedding=True, chunked_prefill_size=CHUNK)
+    sched = Scheduler(args, ModelRunner(args))
+    assert (sched.embedder.pooling.method, sched.embedder.pooling.normalize) == ("mean", True)
+    prompts = [[5, 9, 13], list(range(1, 3 * CHUNK + 2))]
+    for i, p in enumerate(prompts):
+        sched.handle(embed_req(str(i), p))
+    outs = run_to_idle(sched)
+    with torch.inference_mode():
+        for i, p in enumerate(prompts):
+            assert_close(outs[str(i)].embedding, hf_pool(hf.model(torch.tensor([p])).last_hidden_state[0], "mean"))
