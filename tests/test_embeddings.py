@@ -9,7 +9,6 @@ cosine > 0.9999 and max abs diff < 1e-4 per embedding (measured: ~2e-6).
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
