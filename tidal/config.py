@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 DISAGG_MODES = ("null", "prefill", "decode")
+POOLING_METHODS = ("last", "mean", "cls")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 
 
@@ -117,6 +118,10 @@ class ServerArgs:
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
     disable_radix_cache: bool = False
+    # embeddings (tidal/model/pooling.py): None = what the model declares
+    is_embedding: bool = False
+    pooling_method: Optional[str] = None
+    embedding_normalize: Optional[bool] = None
     # scheduling
     chunked_prefill_size: int = 2048
     max_prefill_tokens: int = 16384
@@ -211,6 +216,10 @@ class ServerArgs:
             raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}")
         if self.grammar_compile_timeout_s <= 0:
             raise ValueError("--grammar-compile-timeout-s must be > 0")
+        if self.pooling_method is not None and self.pooling_method not in POOLING_METHODS:
+            raise ValueError(f"--pooling-method must be one of {POOLING_METHODS}")
+        if not self.is_embedding and (self.pooling_method is not None or self.embedding_normalize is not None):
+            raise ValueError("--pooling-method and --embedding-normalize need --is-embedding")
         if self.http_read_timeout_secs <= 0:
             raise ValueError("--http-read-timeout-secs must be > 0")
 
@@ -258,6 +267,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--mem-fraction-static", "--mem-fraction", dest="mem_fraction_static", type=float, default=d.mem_fraction_static,
       help="fraction of free memory left after the weights to give to the KV pool")
     a("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")
+    a("--is-embedding", action="store_true",
+      help="serve the model as an embedding model: /v1/embeddings and /encode answer, the generation routes "
+           "refuse with 400; implies --disable-radix-cache (embedding requests neither reuse nor keep prefixes) "
+           "(default: off, a generation server)")
+    a("--pooling-method", choices=POOLING_METHODS, default=None,
+      help="with --is-embedding: which hidden states (the final norm's output) make the embedding: last token, "
+           "mean over the prompt, or the first (CLS) token (default: what the model declares: sentence-transformers' "
+           "1_Pooling/config.json, a GGUF's <arch>.pooling_type; else last)")
+    a("--embedding-normalize", action=argparse.BooleanOptionalAction, default=None,
+      help="with --is-embedding: L2-normalize embeddings (default: what the model declares: a sentence-transformers "
+           "Normalize module; on for a GGUF and for a causal LM without pooling config)")
     a("--chunked-prefill-size", type=int, default=d.chunked_prefill_size, help="-1 disables chunked prefill")
     a("--max-prefill-tokens", type=int, default=d.max_prefill_tokens, help="tokens a prefill batch may hold")
     a("--max-running-requests", type=int, default=d.max_running_requests, help="requests decoded together at most")
@@ -345,6 +365,8 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     kw = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if not kw.get("model_path"):
         kw["model_path"] = default_model_path()
+    if kw.get("is_embedding"):
+        kw["disable_radix_cache"] = True  # an embedding request's KV is freed when it is pooled
     if kw.get("disaggregation_mode") == "decode":
         kw["disable_radix_cache"] = True  # as in SGLang: decode holds transferred KV, not a prefix tree
     args = ServerArgs(**kw)

@@ -37,6 +37,8 @@ class GenerateReq(_Msg):
     # set by tidal's router (X-Tidal-Expected-Mode): refuse with 409 if this server is elsewhere
     expected_mode: Optional[str] = None
     expected_epoch: Optional[int] = None
+    # --is-embedding servers: prefill only, the pooled hidden state comes back in ReqOutput.embedding
+    embedding: bool = False
 
 
 class AbortReq(_Msg):
@@ -102,6 +104,7 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True):
     output_top_logprobs: Optional[list[list[tuple[float, int]]]] = None
     input_logprobs: Optional[list[tuple[Optional[float], int]]] = None
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
+    embedding: Optional[list[float]] = None  # an embedding request's pooled vector (final output only)
 
 
 class BatchOut(_Msg):
@@ -120,6 +123,8 @@ class SchedulerReady(_Msg):
     quantization: str = "none"  # "gguf": the file's int4 weights run natively (tidal/model/quant.py)
     torch_threads: int = 0  # per rank
     cpu_affinity: list[str] = []  # each rank's CPUs, in rank order ("0-3")
+    pooling: str = ""  # --is-embedding: how embeddings are pooled (tidal/model/pooling.py)
+    hidden_size: int = 0
 
 
 class FlushCacheResp(_Msg):

@@ -129,3 +129,10 @@ class ModelRunner:
                 return self.compiled(fb)[logit_rows]
             hidden = self.model(fb)  # [T, hidden]
             return self.model.compute_logits(hidden[logit_rows])
+
+    def forward_with_hidden(self, fb: ForwardBatch, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, eager, also returning every row's hidden state [T, hidden] (the final norm's output)."""
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(fb)
+            hidden = self.model(fb)
+            return self.model.compute_logits(hidden[logit_rows]), hidden

@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 TOKENIZER_ROUTES = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")
+EMBEDDING_ROUTES = ("/v1/embeddings", "/encode")
 ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch"})
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
 
@@ -283,6 +284,8 @@ def _add_info_routes(app: FastAPI) -> None:
 
     for path in TOKENIZER_ROUTES:  # the tokenizer is the same on every worker: any healthy one answers
         app.add_api_route(path, _post_forwarder(path), methods=["POST"])
+    for path in EMBEDDING_ROUTES:  # a whole request on one worker (embeddings need no KV transfer)
+        app.add_api_route(path, _embedding_forwarder(path), methods=["POST"])
 
     @app.get("/health")
     async def health(request: Request) -> Response:
@@ -306,6 +309,49 @@ def _add_info_routes(app: FastAPI) -> None:
 def _forwarder(path: str) -> Any:
     async def forward(request: Request) -> Response:
         return await _forward_get(_st(request), path, request)
+
+    forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
+    return forward
+
+
+def _embedding_worker(st: RouterState, skip: set) -> Optional[Worker]:
+    """The least loaded healthy worker, prefill workers first (an embedding is a prefill's work)."""
+    for mode in (PREFILL, NULL, DECODE):
+        pool = [w for w in st.registry.pool(mode) if w.url not in skip]
+        if pool:
+            return min(pool, key=lambda w: w.load_score)
+    return None
+
+
+def _embedding_forwarder(path: str) -> Any:
+    """Forward a whole embedding request; a worker that answers 503 (draining for a role switch,
+    starting) is skipped and the next one tried, up to --max-retries more times."""
+    async def forward(request: Request) -> Response:
+        st = _st(request)
+        body, tried = await request.body(), set()
+        headers = {**st.worker_headers(), "Content-Type": "application/json"}
+        status, payload, last_error = 503, None, ""
+        for _ in range(1 + st.cfg.max_retries):
+            w = _embedding_worker(st, tried)
+            if w is None:
+                break
+            tried.add(w.url)
+            st.registry.begin(w)
+            try:
+                async with st.session.post(w.url + path, data=body, headers=headers,
+                                           timeout=aiohttp.ClientTimeout(total=st.cfg.request_timeout_s)) as r:
+                    status, payload = r.status, await r.read()
+            except (aiohttp.ClientError, TimeoutError) as e:
+                status, payload = 502, None
+                last_error = f"worker {w.url}: {type(e).__name__}: {e}"
+                continue
+            finally:
+                st.registry.end(w)
+            if status != 503:
+                break
+        if payload is None:
+            return json_error(last_error if status == 502 else "no healthy worker available", status)
+        return Response(payload, status_code=status, media_type="application/json")
 
     forward.__name__ = "forward_" + path.strip("/").replace("/", "_")
     return forward

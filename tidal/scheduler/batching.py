@@ -229,6 +229,9 @@ class BatchPlanner:
         logits, out = result
         next_ids = out.next_token_ids.tolist()
         for i, (req, span) in enumerate(zip(batch.reqs, batch.spans)):
+            if req.is_embedding:
+                s.embedder.on_extended(req)
+                continue
             if req.wants_input_logprobs and not req.first_prefill_done:
                 self._add_input_logprobs(req, span, logits)
             if req.kv_len < len(req.all_ids):  # an unfinished chunked prefill

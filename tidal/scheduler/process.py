@@ -206,6 +206,8 @@ def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerR
         quantization=runner.quantization,
         torch_threads=getattr(runner, "torch_threads", 0),
         cpu_affinity=list(cpu_affinity or []),
+        pooling=sched.embedder.pooling.describe() if sched.embedder is not None else "",
+        hidden_size=runner.model_config.hidden_size,
     )
 
 

@@ -39,6 +39,9 @@ class Req:
         # llguidance matcher of a constrained request: it has consumed every output token so far
         # (advanced in the thread that samples; see tidal/constrained/masks.py)
         self.grammar: Any = None
+        self.is_embedding = msg.embedding
+        self.pool_state: Any = None  # PoolState while an embedding request's prompt is prefilled
+        self.embedding: Optional[list[float]] = None
 
         self.output_ids: list[int] = []
         # tokens whose KV this prefill round makes resident (prompt, or prompt+output after retraction)
@@ -123,6 +126,8 @@ class Req:
             completion_tokens=len(self.output_ids),
             cached_tokens=self.cached_tokens,
         )
+        if final and self.embedding is not None:
+            out.embedding = self.embedding
         if self.return_logprob:
             out.output_logprobs = self.output_logprobs[start:]
             if self.top_logprobs_num > 0:

@@ -29,7 +29,9 @@ from tidal.messages import (
 )
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
+from tidal.model.pooling import resolve_pooling
 from tidal.scheduler.batching import BatchPlanner
+from tidal.scheduler.embedding import NOT_EMBEDDING_SERVER, Embedder
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
 from tidal.scheduler.priority import PriorityRules
@@ -48,6 +50,8 @@ class Scheduler:
     def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None):
         from tidal.parallel import SingleRank
 
+        if args.is_embedding:  # embedding requests neither reuse nor keep cached prefixes
+            args = args.replace(disable_radix_cache=True)
         self.args = args
         self.runner = runner
         self.tp = getattr(runner, "tp", None) or SingleRank()  # every rank runs this same loop
@@ -88,6 +92,7 @@ class Scheduler:
         from tidal.roles import create_role
         from tidal.roles.controller import ModeController
 
+        self.embedder = Embedder(self, resolve_pooling(args)) if args.is_embedding else None
         self.role = create_role(args.disaggregation_mode, self)
         self.controller = ModeController(self)
 
@@ -130,6 +135,9 @@ class Scheduler:
             req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
+        if req.is_embedding:
+            self.waiting_queue.append(req)  # computed here in every role: a prefill, no KV transfer
+            return
         key = req.sampling.grammar_key
         if key is not None and not self.grammars.start(req, key):
             return  # in the grammar queue until its grammar compiles (admit_compiled)
@@ -156,8 +164,8 @@ class Scheduler:
         return None
 
     def num_queued(self) -> int:
-        """Requests waiting for admission: the waiting queue and the role's own queues."""
-        return len(self.waiting_queue) + self.role.num_queued()
+        """Requests waiting for admission: the grammar queue, the waiting queue and the role's own queues."""
+        return len(self.grammars.waiting) + len(self.waiting_queue) + self.role.num_queued()
 
     def _make_queue_room(self, req: Req) -> Optional[tuple[str, int]]:
         """None when `req` may queue (after displacing a queued request of lower priority if
@@ -181,6 +189,8 @@ class Scheduler:
         n = len(req.origin_input_ids)
         if n == 0:
             return "The input is empty."
+        if req.is_embedding and self.embedder is None:
+            return NOT_EMBEDDING_SERVER
         if n > self.max_req_input_len:
             return (
                 f"The input ({n} tokens) is longer than the maximum allowed "
@@ -246,7 +256,11 @@ class Scheduler:
 
     def run_batch(self, batch: ScheduleBatch):
         t0 = now()
-        logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
+        if self.embedder is not None and any(r.is_embedding for r in batch.reqs):
+            logits, hidden = self.runner.forward_with_hidden(batch.forward_batch, batch.logit_rows)
+            self.embedder.pool(batch, hidden)
+        else:
+            logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
         t1 = now()
         self.timing.add("forward", t1 - t0)
         out = self._sample(batch, logits, self._sampling_info(batch), self._grammar_batch(batch))
@@ -441,7 +455,7 @@ class Scheduler:
             call_id=call_id,
             num_running_reqs=len(self.live_reqs()),
             num_decoding_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting_queue) + len(self.grammars.waiting) + self.role.num_queued(),
+            num_waiting_reqs=self.num_queued(),
             num_used_tokens=used,
             max_total_tokens=total,
             token_usage=used / max(total, 1),

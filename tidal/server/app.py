@@ -28,6 +28,7 @@ from tidal.config import ServerArgs, hide_model_paths
 from tidal.sampling_params import seed_for_copy
 from tidal.server import openai_api
 from tidal.server.admin import add_admin_api
+from tidal.server.embeddings import add_embedding_routes, refuse_generation
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.server.limits import BodySizeLimitMiddleware, check_n, check_prompt_count
 from tidal.server.metrics import CONTENT_TYPE, Metrics
@@ -99,6 +100,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     # added last, so it runs first: an unauthenticated body is never read
     app.add_middleware(AuthMiddleware, guard=Guard.for_server(ctx.args.api_key, ctx.args.admin_api_key))
     _add_native_routes(app)
+    add_embedding_routes(app)
     _add_info_routes(app)
     _add_admin_routes(app)
     add_admin_api(app)
@@ -187,6 +189,7 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/generate")
     async def generate(request: Request) -> Response:
         tm = _ctx(request).tm
+        refuse_generation(tm.args)
         body = parse_body(GenerateRequest, await request.body())
         reqs, batched, group = await _generate_reqs(tm, body)
         apply_expected_mode(request, reqs)
@@ -201,11 +204,13 @@ def _add_native_routes(app: FastAPI) -> None:
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
         ctx = _ctx(request)
+        refuse_generation(ctx.args)
         return await openai_api.create_completion(request, ctx.tm, ctx.args.model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
         ctx = _ctx(request)
+        refuse_generation(ctx.args)
         return await openai_api.create_chat_completion(request, ctx.tm, ctx.args.model_name)
 
     @app.get("/v1/models")
@@ -300,7 +305,10 @@ def _add_info_routes(app: FastAPI) -> None:
     async def model_info(request: Request) -> Response:
         args = _ctx(request).args
         info = {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
-                "is_generation": True, "served_model_name": args.model_name}
+                "is_generation": not args.is_embedding, "served_model_name": args.model_name}
+        ready = _ctx(request).tm.ready
+        if args.is_embedding and ready is not None:
+            info.update({"pooling": ready.pooling, "embedding_dimensions": ready.hidden_size})
         return JSONResp(_reveal(info, request))
 
     for path in ("/server_info", "/get_server_info"):

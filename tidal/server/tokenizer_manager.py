@@ -97,6 +97,7 @@ class ReqState:
     first_token_at: Optional[float] = None
     last_token_at: Optional[float] = None
     finished_at: Optional[float] = None
+    embedding: Optional[list[float]] = None  # an embedding request's result
     error: Optional[ApiError] = None
     version: int = 0
 
@@ -127,6 +128,8 @@ class ReqState:
             self.output_token_logprobs.extend(self._triples(out.output_logprobs, tokenizer))
         if out.output_top_logprobs:
             self.output_top_logprobs.extend(self._triples(row, tokenizer) for row in out.output_top_logprobs)
+        if out.embedding is not None:
+            self.embedding = out.embedding
         if out.finish_reason is not None:
             self.finish(out.finish_reason)
         self.version += 1
@@ -420,6 +423,16 @@ class TokenizerManager:
                            "--enable-priority-scheduling, or leave priority out")
         if not -2**63 <= priority < 2**63:
             raise ApiError(f"priority must be a 64-bit integer, got {priority}")
+
+    def make_embed_req(self, input_ids: list[int], rid: Optional[str] = None) -> GenerateReq:
+        """One prompt of an embedding request (a prefill only), validated like make_req's (ApiError 400)."""
+        self._check_alive()
+        if not input_ids:
+            raise ApiError("The input is empty; it must contain at least one token.")
+        self.check_input_len(len(input_ids))
+        self.check_token_ids(input_ids, "input_ids")
+        return GenerateReq(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids),
+                           sampling=SamplingParams(max_new_tokens=0), arrival_time=time.time(), embedding=True)
 
     def submit(
         self, reqs: Sequence[GenerateReq], group: Optional[str] = None, *,
