@@ -180,9 +180,6 @@ def test_constrained_decoding_fields_are_refused(url, key, value):
 @pytest.mark.parametrize("extra", [
     {"response_format": {"type": "json_object"}},
     {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}},
-    {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-    {"tool_choice": "required"},
-    {"tool_choice": {"type": "function", "function": {"name": "f"}}},
     {"functions": [{"name": "f", "parameters": {}}]},
 ])
 def test_openai_structured_output_and_tools_are_refused(url, extra):

@@ -157,6 +157,8 @@ class ServerArgs:
     max_batch_size_per_request: int = 256
     max_stop_strings: int = 32
     max_stop_string_chars: int = 1024
+    # OpenAI tool calling (tool_choice "auto"): how tool calls are found in the output
+    tool_call_parser: Optional[str] = None
 
     @property
     def model_name(self) -> str:
@@ -199,6 +201,9 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.http_read_timeout_secs <= 0:
             raise ValueError("--http-read-timeout-secs must be > 0")
+        from tidal.server.tool_parser import get_parser
+
+        get_parser(self.tool_call_parser)  # ValueError naming the known parsers
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -304,6 +309,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help=f"most stop strings per request (default: {d.max_stop_strings})")
     a("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
       help=f"longest stop string, in characters (default: {d.max_stop_string_chars})")
+    a("--tool-call-parser", default=None,
+      help="with tool_choice \"auto\" (the default when a chat request has tools), find tool calls in the output "
+           "and answer them as `tool_calls`: hermes (alias qwen25, qwen: <tool_call>{...}</tool_call>) or llama3 "
+           "(alias llama3_json: {\"name\": ..., \"parameters\": ...} separated by ';') (default: none, the "
+           "output stays content; required and named tool_choice work without a parser)")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

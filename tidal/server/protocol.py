@@ -177,6 +177,7 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 def refuse_unsupported_openai(req: _OpenAIBase) -> None:
@@ -185,12 +186,6 @@ def refuse_unsupported_openai(req: _OpenAIBase) -> None:
     if fmt is not None and fmt.get("type", "text") != "text":
         raise ApiError(f"response_format type {fmt.get('type')!r} is not supported (constrained decoding "
                        "is not implemented); only {\"type\": \"text\"} is")
-    if req.tools or req.functions:
-        raise ApiError("tools (function calling) are not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        choice = getattr(req, name)
-        if choice is not None and choice not in ("none", "auto"):
-            raise ApiError(f"{name}={choice!r} is not supported by this server (no tools)")
 
 
 def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[str, Any]:

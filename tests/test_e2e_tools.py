@@ -1,0 +1,135 @@
+"""Tool calling on a real server with the default model (SmolLM2-135M, which does not call
+tools by itself), through the `openai` client, streaming and not: named and required
+tool_choice (constrained to the tools' schemas), auto with the hermes parser (the call forced
+by a regex), none, and the 400s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from servers import Server
+
+pytestmark = pytest.mark.timeout(600)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"],
+    "additionalProperties": False}}}
+TOOLS = [WEATHER, TIME]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+MESSAGES = [{"role": "user", "content": "What is the weather in Paris? Use a tool."}]
+FORCED = '<tool_call>\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}</tool_call>'
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = Server("--tool-call-parser", "hermes", "--torch-threads", "1", "--chunked-prefill-size", "64")
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+
+def create(client, stream: bool, **kw):
+    """A chat completion as (message dict, finish_reason), streamed or not; a stream is joined
+    the way a client joins OpenAI's deltas and checked to have OpenAI's shape."""
+    args = {"model": "default", "messages": MESSAGES, "max_tokens": 64, "temperature": 0, **kw}
+    if not stream:
+        r = client.chat.completions.create(**args)
+        m = r.choices[0].message
+        calls = [{"id": c.id, "type": c.type, "function": {"name": c.function.name, "arguments": c.function.arguments}}
+                 for c in m.tool_calls or []]
+        return {"content": m.content, "tool_calls": calls}, r.choices[0].finish_reason
+    content, calls, reason = None, [], None
+    for chunk in client.chat.completions.create(stream=True, **args):
+        if not chunk.choices:
+            continue
+        ch = chunk.choices[0]
+        if ch.delta.content:
+            content = (content or "") + ch.delta.content
+        for tc in ch.delta.tool_calls or []:
+            if tc.id is not None:  # a call's first delta: index, id, type, name, empty arguments
+                assert tc.index == len(calls) and tc.type == "function" and tc.function.arguments == ""
+                calls.append({"id": tc.id, "type": "function", "function": {"name": tc.function.name, "arguments": ""}})
+            else:  # then argument fragments only
+                assert tc.function.name is None and tc.type is None
+                calls[tc.index]["function"]["arguments"] += tc.function.arguments
+        reason = ch.finish_reason or reason
+    return {"content": content, "tool_calls": calls}, reason
+
+
+def check_calls(calls: list[dict]) -> list[tuple[str, dict]]:
+    """Every call well formed and its arguments valid against its function's schema."""
+    out = []
+    for c in calls:
+        assert c["id"].startswith("call_") and len(c["id"]) > 8 and c["type"] == "function"
+        args = json.loads(c["function"]["arguments"])
+        jsonschema.validate(args, SCHEMAS[c["function"]["name"]])
+        out.append((c["function"]["name"], args))
+    assert len({c["id"] for c in calls}) == len(calls)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_tool_choice_none_answers_plain_content(client, stream):
+    msg, reason = create(client, stream, tools=TOOLS, tool_choice="none", max_tokens=12)
+    plain, plain_reason = create(client, stream, max_tokens=12)
+    assert msg == plain and msg["tool_calls"] == [] and msg["content"]  # the template ignores tools
+    assert reason == plain_reason == "length"
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_auto_without_a_call_keeps_the_text_as_content(client, stream):
+    msg, reason = create(client, stream, tools=TOOLS, max_tokens=12)
+    plain, _ = create(client, stream, max_tokens=12)
+    assert msg == plain and reason == "length"
+
+
+def test_a_conversation_with_tool_calls_and_results_is_accepted(client):
+    messages = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_abc", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_abc", "content": "18 degrees, sunny"}]
+    msg, _ = create(client, False, messages=messages, tools=TOOLS, max_tokens=8)
+    assert msg["content"]
+
+
+BAD = [
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not in tools"),
+    ({"tool_choice": "required"}, "needs a non-empty `tools`"),
+    ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "needs a non-empty `tools`"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "function.name"),
+    ({"tools": [{"type": "code_interpreter"}]}, "tools[0] must be"),
+    ({"tools": "get_weather"}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "maybe"}, "tool_choice must be"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "parallel_tool_calls"),
+]
+
+
+@pytest.mark.parametrize("extra,message", BAD)
+def test_malformed_tools_are_400(server, extra, message):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"messages": MESSAGES, **extra}, timeout=30)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert message in err["message"] and err["type"] == "BadRequestError" and err["code"] == 400
+
+
+def test_openai_client_gets_bad_request_and_completions_refuse_tools(client, server):
+    with pytest.raises(openai.BadRequestError, match="not in tools"):
+        client.chat.completions.create(model="default", messages=MESSAGES, tools=TOOLS,
+                                       tool_choice={"type": "function", "function": {"name": "other"}})
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "tools": TOOLS}, timeout=30)
+    assert r.status_code == 400 and "only supported on /v1/chat/completions" in r.json()["error"]["message"]
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
