@@ -133,3 +133,62 @@ def test_openai_client_gets_bad_request_and_completions_refuse_tools(client, ser
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "tools": TOOLS}, timeout=30)
     assert r.status_code == 400 and "only supported on /v1/chat/completions" in r.json()["error"]["message"]
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+
+
+# ---------------------------------------------------------------- constrained: named / required
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+@pytest.mark.parametrize("name", ["get_weather", "get_time"])
+def test_named_tool_choice_answers_a_valid_call(client, stream, name):
+    msg, reason = create(client, stream, tools=TOOLS, tool_choice={"type": "function", "function": {"name": name}})
+    assert reason == "tool_calls" and msg["content"] is None
+    assert [n for n, _ in check_calls(msg["tool_calls"])] == [name]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_required_tool_choice_answers_valid_calls(client, stream):
+    msg, reason = create(client, stream, tools=TOOLS, tool_choice="required", max_tokens=160)
+    assert reason == "tool_calls" and msg["content"] is None
+    assert len(check_calls(msg["tool_calls"])) >= 1
+    one, reason = create(client, stream, tools=TOOLS, tool_choice="required", parallel_tool_calls=False)
+    assert reason == "tool_calls" and len(check_calls(one["tool_calls"])) == 1
+
+
+def test_required_and_named_with_sampling_stay_valid(client):
+    for seed in range(3):
+        msg, reason = create(client, False, tools=TOOLS, tool_choice="required", parallel_tool_calls=False,
+                             temperature=1.0, seed=seed)
+        assert reason == "tool_calls" and len(check_calls(msg["tool_calls"])) == 1
+
+
+def test_streamed_and_whole_calls_are_the_same(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole, _ = create(client, False, tools=TOOLS, tool_choice=named)
+    streamed, _ = create(client, True, tools=TOOLS, tool_choice=named)
+    assert [c["function"] for c in whole["tool_calls"]] == [c["function"] for c in streamed["tool_calls"]]
+
+
+# ---------------------------------------------------------------- auto with the hermes parser
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_auto_parses_a_hermes_call(client, stream):
+    msg, reason = create(client, stream, tools=TOOLS, extra_body={"regex": FORCED})
+    assert reason == "tool_calls" and msg["content"] is None
+    assert check_calls(msg["tool_calls"]) == [("get_weather", {"city": "Paris"})]
+    assert msg["tool_calls"][0]["function"]["arguments"] == '{"city": "Paris"}'
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_auto_keeps_text_before_calls_as_content(client, stream):
+    regex = "Checking\\. " + FORCED + "\\n" + FORCED.replace("Paris", "Rome")
+    msg, reason = create(client, stream, tools=TOOLS, extra_body={"regex": regex})
+    assert reason == "tool_calls" and msg["content"] == "Checking."
+    assert check_calls(msg["tool_calls"]) == [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome"})]
+
+
+def test_none_with_the_forced_call_text_leaves_it_as_content(client):
+    msg, reason = create(client, False, tools=TOOLS, tool_choice="none", extra_body={"regex": FORCED})
+    assert msg["tool_calls"] == [] and reason == "stop"
+    assert msg["content"] == '<tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
