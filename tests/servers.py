@@ -90,8 +90,10 @@ class Traffic:
     """Client threads sending greedy /generate requests (prompts in turn) until stopped;
     counts successes, failures and outputs that differ from `reference[prompt]`."""
 
-    def __init__(self, url: str, reference: dict[str, list[int]], max_new_tokens: int, threads: int = 3):
+    def __init__(self, url: str, reference: dict[str, list[int]], max_new_tokens: int, threads: int = 3,
+                 sampling: Optional[dict] = None):
         self.url, self.reference, self.max_new_tokens = url, reference, max_new_tokens
+        self.sampling = {"ignore_eos": True, **(sampling or {})}  # extra sampling params for every request
         self.prompts = list(reference)
         self.ok, self.failures, self.mismatches = 0, [], []
         self._stop = threading.Event()
@@ -102,7 +104,7 @@ class Traffic:
             prompt = self.prompts[k % len(self.prompts)]
             k += 1
             body = {"text": prompt, "sampling_params": {"max_new_tokens": self.max_new_tokens, "temperature": 0.0,
-                                                        "ignore_eos": True}}
+                                                        **self.sampling}}
             try:
                 r = httpx.post(self.url + "/generate", json=body, timeout=300)
             except httpx.HTTPError as e:

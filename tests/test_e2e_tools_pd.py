@@ -4,6 +4,7 @@ switch of both servers back to null."""
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import sys
 
 import httpx
@@ -34,7 +35,13 @@ def modes(router: Server) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def cluster():
-    servers = [dynamic_server() for _ in range(2)]
+    with cf.ThreadPoolExecutor(2) as pool:  # started side by side: each takes a while to load
+        futures = [pool.submit(dynamic_server) for _ in range(2)]
+    servers = [f.result() for f in futures if f.exception() is None]
+    if len(servers) < 2:
+        for s in servers:
+            s.stop()
+        raise next(f.exception() for f in futures if f.exception() is not None)
     rport = free_port()
     cmd = [sys.executable, "-m", "tidal.router", "--port", str(rport), "--worker", *(s.url for s in servers),
            "--policy", "round_robin", "--health-check-interval-secs", "1", "--max-retries", "3"]

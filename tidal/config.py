@@ -13,6 +13,7 @@ from typing import Optional
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
+GRAMMAR_BACKENDS = ("llguidance", "none")
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 
@@ -157,6 +158,10 @@ class ServerArgs:
     max_batch_size_per_request: int = 256
     max_stop_strings: int = 32
     max_stop_string_chars: int = 1024
+    # constrained decoding
+    grammar_backend: str = "llguidance"
+    constrained_json_whitespace_pattern: Optional[str] = None
+    grammar_compile_timeout_s: float = 60.0
     # OpenAI tool calling (tool_choice "auto"): how tool calls are found in the output
     tool_call_parser: Optional[str] = None
 
@@ -199,6 +204,10 @@ class ServerArgs:
         for name in ("max_logprobs", "max_stop_strings"):
             if getattr(self, name) < 0:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"--grammar-backend must be one of {GRAMMAR_BACKENDS}")
+        if self.grammar_compile_timeout_s <= 0:
+            raise ValueError("--grammar-compile-timeout-s must be > 0")
         if self.http_read_timeout_secs <= 0:
             raise ValueError("--http-read-timeout-secs must be > 0")
         from tidal.server.tool_parser import get_parser
@@ -309,6 +318,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help=f"most stop strings per request (default: {d.max_stop_strings})")
     a("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
       help=f"longest stop string, in characters (default: {d.max_stop_string_chars})")
+    a("--grammar-backend", choices=GRAMMAR_BACKENDS, default=d.grammar_backend,
+      help=f"constrained decoding engine for json_schema/regex/ebnf/structural_tag and response_format; "
+           f"none refuses them with a 400 (default: {d.grammar_backend})")
+    a("--constrained-json-whitespace-pattern", default=d.constrained_json_whitespace_pattern,
+      help="regex for the whitespace a JSON grammar allows between tokens (default: none, compact JSON "
+           "with ', ' and ': ' separators; free whitespace lets small models pad without end)")
+    a("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
+      help=f"a grammar still compiling after this many seconds fails its request (default: {d.grammar_compile_timeout_s:g})")
     a("--tool-call-parser", default=None,
       help="with tool_choice \"auto\" (the default when a chat request has tools), find tool calls in the output "
            "and answer them as `tool_calls`: hermes (alias qwen25, qwen: <tool_call>{...}</tool_call>) or llama3 "

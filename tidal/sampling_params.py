@@ -38,6 +38,21 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     skip_special_tokens: bool = True
     no_stop_trim: bool = False
     seed: Optional[int] = None
+    # constrained decoding (SGLang's names; at most one): a JSON Schema as a JSON string, a
+    # regular expression, an EBNF (GBNF) grammar, or SGLang's structural tag as a JSON string
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
+
+    @property
+    def grammar_key(self) -> Optional[tuple[str, str]]:
+        """(kind, text) of the request's grammar, or None when it is unconstrained."""
+        for kind in ("json_schema", "regex", "ebnf", "structural_tag"):
+            text = getattr(self, kind)
+            if text is not None:
+                return kind, text
+        return None
 
     @property
     def is_greedy(self) -> bool:
@@ -77,5 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError("stop must be a list of non-empty strings")
         if self.seed is not None and not SEED_MIN <= self.seed < SEED_END:
             raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed}")
+        kinds = [k for k in ("json_schema", "regex", "ebnf", "structural_tag") if getattr(self, k) is not None]
+        if len(kinds) > 1:
+            raise ValueError(f"only one of json_schema, regex, ebnf and structural_tag may be set, got {', '.join(kinds)}")
         if vocab_size is not None and any(not 0 <= t < vocab_size for t in self.stop_token_ids):
             raise ValueError(f"stop_token_ids must be in [0, {vocab_size})")

@@ -24,7 +24,7 @@ renormalisation before the draw), and lets seeded rows bring their own noise.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 from typing import Optional, Sequence
 
@@ -187,6 +187,8 @@ class SamplingBatchInfo:
     min_tokens_mask: Optional[tuple[torch.Tensor, torch.Tensor]]  # (rows, cols)
     seeded_rows: list[int]  # sampled rows with a per-request seed
     generators: list[torch.Generator]  # one per seeded row, same order
+    # grammar-constrained rows: (rows [G] int64, allowed [G, V] bool), set right before sampling
+    allowed_tokens: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     @classmethod
     def build(
@@ -237,6 +239,9 @@ class SampleOutput:
     next_token_logprobs: Optional[torch.Tensor]  # [B] float32, raw log_softmax; None if not asked
     # per row: (logprob, token id), best first; [] where 0 were asked; None if not asked
     top_logprobs: Optional[list[list[tuple[float, int]]]]
+    # constrained rows whose grammar refused the token / can take nothing but EOS after it
+    grammar_refused: list[int] = field(default_factory=list)
+    grammar_done: list[int] = field(default_factory=list)
 
 
 def _candidates(probs: torch.Tensor, info: SamplingBatchInfo) -> tuple[torch.Tensor, torch.Tensor]:
@@ -342,19 +347,23 @@ class Sampler:
         top_logprobs_nums: Optional[list[int]] = None,
         return_logprob: bool = False,
     ) -> SampleOutput:
-        """logits [B, V] float32 (not modified). Logprobs come from the raw logits."""
-        penalised = self._penalise(logits, info)
+        """logits [B, V] float32 (not modified). Logprobs come from the raw logits.
+
+        A row left with no usable candidate falls back to the argmax of its grammar-masked
+        logits (the raw ones when it has no grammar), so a constrained row stays in its grammar."""
+        allowed = self._constrain(logits, info)
+        penalised = self._penalise(allowed, info)
         if info.all_greedy:
             next_ids = penalised.argmax(dim=-1)
-            if penalised is not logits:  # else these are the raw logits: nothing to fall back to
-                next_ids = _raw_argmax_where_unusable(next_ids, _drawn_prob(penalised, next_ids) > _NEG_INF, logits)
+            if penalised is not allowed:  # else nothing to fall back to
+                next_ids = _raw_argmax_where_unusable(next_ids, _drawn_prob(penalised, next_ids) > _NEG_INF, allowed)
         else:
             next_ids, usable = _sample_rows(penalised, info)
             if info.any_greedy:
                 greedy_ids = penalised.argmax(dim=-1)
                 next_ids = torch.where(info.is_greedy, greedy_ids, next_ids)
                 usable = torch.where(info.is_greedy, _drawn_prob(penalised, greedy_ids) > _NEG_INF, usable)
-            next_ids = _raw_argmax_where_unusable(next_ids, usable, logits)
+            next_ids = _raw_argmax_where_unusable(next_ids, usable, allowed)
         if not return_logprob:
             return SampleOutput(next_ids, None, None)
         logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -372,6 +381,16 @@ class Sampler:
             info.penalties.apply(out)
         if info.min_tokens_mask is not None:
             out.index_put_(info.min_tokens_mask, torch.tensor(float("-inf"), device=out.device))
+        return out
+
+    @staticmethod
+    def _constrain(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        """Grammar masks (tokens the grammar forbids -> -inf), on a copy only when there are any."""
+        if info.allowed_tokens is None:
+            return logits
+        rows, allowed = info.allowed_tokens
+        out = logits.clone()
+        out.index_copy_(0, rows, out.index_select(0, rows).masked_fill_(~allowed, _NEG_INF))
         return out
 
 

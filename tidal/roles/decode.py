@@ -21,7 +21,7 @@ from tidal.roles.pd_common import (
     failure_reason,
     page_indices,
 )
-from tidal.scheduler.batching import finish_if_prompt_only
+from tidal.scheduler.batching import finish_if_prompt_only, grammar_step
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
@@ -143,6 +143,9 @@ class DecodeRole:
             req.output_logprobs.append((rec.logprob, rec.output_id))
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs.append(list(zip(rec.top_logprobs_val, rec.top_logprobs_idx)))
+        if req.grammar is not None:  # the prefill side drew the first token under the same grammar
+            ok = req.grammar.consume_token(rec.output_id)
+            grammar_step(req, rec.output_id, refused=not ok, done=ok and req.grammar.is_stopped())
         s.stop.check(req)
         req.pd = None
         s.planner.start_decoding(req)

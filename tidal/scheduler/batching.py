@@ -204,6 +204,8 @@ class BatchPlanner:
             req.output_logprobs.append((float(out.next_token_logprobs[row]), token))
             if req.top_logprobs_num > 0 and out.top_logprobs is not None:
                 req.output_top_logprobs.append(out.top_logprobs[row])
+        if req.grammar is not None:
+            grammar_step(req, token, refused=row in out.grammar_refused, done=row in out.grammar_done)
         self.s.stop.check(req)
 
     def _add_input_logprobs(self, req: Req, span, logits: torch.Tensor) -> None:
@@ -221,6 +223,16 @@ class BatchPlanner:
         for j, v in enumerate(values):
             req.input_logprobs.append((v, int(targets[j])))
             req.input_top_logprobs.append(tops[j] if tops is not None else None)
+
+
+def grammar_step(req: Req, token: int, refused: bool, done: bool) -> None:
+    """A constrained request ends when its grammar is complete (only EOS could follow: the
+    EOS pass is skipped), or fails if its matcher refused the token (a grammar engine bug)."""
+    if refused:
+        req.finish(FinishReason(type="abort", status_code=500,
+                                message=f"the grammar refused token {token}: {req.grammar.get_error()}"))
+    elif done:
+        req.finish(FinishReason(type="stop", matched=token if token in req.sampling.stop_token_ids else None))
 
 
 def finish_if_prompt_only(req: Req) -> bool:

@@ -35,6 +35,9 @@ class Req:
         self.bootstrap_port = msg.bootstrap_port
         self.bootstrap_room = msg.bootstrap_room
         self.pd: Any = None  # PDState while a prefill/decode role transfers this request's KV
+        # llguidance matcher of a constrained request: it has consumed every output token so far
+        # (advanced in the thread that samples; see tidal/constrained/masks.py)
+        self.grammar: Any = None
 
         self.output_ids: list[int] = []
         # tokens whose KV this prefill round makes resident (prompt, or prompt+output after retraction)

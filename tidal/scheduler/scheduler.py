@@ -9,6 +9,9 @@ from typing import Any, Optional
 import torch
 
 from tidal.config import ServerArgs
+from tidal.constrained.compiler import GrammarCompiler
+from tidal.constrained.grammar import JsonStyle
+from tidal.constrained.masks import GrammarBatch
 from tidal.messages import (
     AbortReq,
     FinishReason,
@@ -63,6 +66,10 @@ class Scheduler:
         self.max_req_input_len = min(self.context_length - 1, runner.max_total_tokens - 1)
         self.stop = StopChecker(tokenizer, list(cfg.eos_token_ids), self.context_length)
         self.sampler = Sampler()
+        self.grammars = GrammarCompiler(
+            tokenizer, cfg.vocab_size, list(cfg.eos_token_ids), self.tp,
+            JsonStyle(args.constrained_json_whitespace_pattern), args.grammar_compile_timeout_s,
+        )
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.planner = BatchPlanner(self)
@@ -85,6 +92,10 @@ class Scheduler:
     # ------------------------------------------------------------------ inputs
 
     def handle(self, msg: ToScheduler) -> None:
+        if isinstance(msg, (SwitchModeReq, PrepareModeReq)):
+            # requests compiling their grammar join the current role's queues and move with them
+            self.grammars.wait_all(min(msg.timeout_s if isinstance(msg, SwitchModeReq) else 5.0, 5.0))
+            self.admit_compiled()
         if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq)):
             self.drain()  # these look for an idle scheduler: no pass may be left in flight
         if isinstance(msg, GenerateReq):
@@ -115,7 +126,19 @@ class Scheduler:
             req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
+        key = req.sampling.grammar_key
+        if key is not None and not self.grammars.start(req, key):
+            return  # in the grammar queue until its grammar compiles (admit_compiled)
         self.role.accept(req)
+
+    def admit_compiled(self) -> None:
+        """Requests whose grammar compiled go to the role; those whose grammar failed end (400)."""
+        for req, error in self.grammars.take_ready():
+            if error is not None:
+                req.finish(FinishReason(type="abort", message=error, status_code=400))
+                self.outbox.append(req.take_output(final=True))
+            else:
+                self.role.accept(req)
 
     def _refusal(self, msg: GenerateReq) -> Optional[tuple[str, int]]:
         """Why this server will not take the request now (the client should go elsewhere)."""
@@ -158,6 +181,10 @@ class Scheduler:
             self.role.on_dequeued_abort(r)
             r.finish(FinishReason(type="abort", message="Request aborted."))
             self.outbox.append(r.take_output(final=True))
+        for r in [w.req for w in self.grammars.waiting if match(w.req)]:
+            self.grammars.drop(r)
+            r.finish(FinishReason(type="abort", message="Request aborted."))
+            self.outbox.append(r.take_output(final=True))
         for r in self.live_reqs():
             if match(r):
                 r.to_abort = "Request aborted."
@@ -177,6 +204,7 @@ class Scheduler:
             return self._step_overlapped()
         t0 = now()
         self.controller.on_iteration()
+        self.admit_compiled()
         self.role.advance_queues()
         batch = self.role.next_batch()
         self.timing.add("schedule", now() - t0)
@@ -195,7 +223,7 @@ class Scheduler:
         logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
         t1 = now()
         self.timing.add("forward", t1 - t0)
-        out = self._sample(batch, logits, self._sampling_info(batch))
+        out = self._sample(batch, logits, self._sampling_info(batch), self._grammar_batch(batch))
         self.stats.on_batch(batch)
         self.timing.add("sample", now() - t1)
         return logits, out
@@ -213,10 +241,25 @@ class Scheduler:
             list(self.stop.eos_ids),
         )
 
-    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, info: SamplingBatchInfo):
+    def _grammar_batch(self, batch: ScheduleBatch) -> Optional[GrammarBatch]:
+        """The constrained rows whose sampled token is an output (not a chunk's or a prompt-only one)."""
+        if all(r.grammar is None for r in batch.reqs):
+            return None
+        if batch.mode is ForwardMode.DECODE:
+            kept = [True] * len(batch.reqs)
+        else:
+            kept = [r.kv_len >= len(r.all_ids) and r.sampling.max_new_tokens > 0 for r in batch.reqs]
+        return GrammarBatch.of(batch.reqs, kept, self.runner.model_config.vocab_size)
+
+    def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, info: SamplingBatchInfo,
+                grammar: Optional[GrammarBatch] = None):
+        """Runs in the thread that runs the pass; grammar masks are computed here, right before
+        the draw, and the matchers advance right after it."""
         last_rows = torch.tensor([s.last for s in batch.spans], dtype=torch.int64)
         sample_logits = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
         reqs = batch.reqs
+        if grammar is not None:
+            info.allowed_tokens = grammar.allowed_tokens(sample_logits.device)
         out = self.sampler.sample(
             sample_logits,
             info,
@@ -225,6 +268,8 @@ class Scheduler:
         )
         if self.tp.size > 1:  # rank 0's draw, so every rank's requests continue identically
             out.next_token_ids = self.tp.broadcast_tensor(out.next_token_ids)
+        if grammar is not None:
+            out.grammar_refused, out.grammar_done = grammar.accept(out.next_token_ids)
         return out
 
     # ------------------------------------------------------------------ overlap
@@ -233,6 +278,7 @@ class Scheduler:
         """Launch decode pass N+1 behind pass N, then process N's result while N+1 runs."""
         t0 = now()
         self.controller.on_iteration()
+        self.admit_compiled()
         self.role.advance_queues()
         if self.inflight is not None and not self._can_schedule_behind():
             self.timing.add("schedule", now() - t0)
@@ -282,6 +328,7 @@ class Scheduler:
     def _launch(self, batch: ScheduleBatch, prev: Optional[InFlight]) -> InFlight:
         pending = [prev is not None and prev.holds(r) for r in batch.reqs]
         info = self._sampling_info(batch, pending)
+        grammar = self._grammar_batch(batch)
         resolve_inputs = input_ids_from(prev, batch)
         self.stats.on_batch(batch)
         self.stats.num_overlapped_batches += prev is not None
@@ -290,7 +337,7 @@ class Scheduler:
             if resolve_inputs is not None:
                 resolve_inputs()
             logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
-            return logits, self._sample(batch, logits, info)
+            return logits, self._sample(batch, logits, info, grammar)
 
         return InFlight(batch, self.forward_thread.submit(forward_and_sample))
 
@@ -325,7 +372,7 @@ class Scheduler:
 
     def is_idle(self) -> bool:
         return (self.inflight is None and not self.waiting_queue and not self.live_reqs()
-                and self.role.is_idle())
+                and not self.grammars.waiting and self.role.is_idle())
 
     def set_cache(self, cache) -> None:
         """Swap the prefix cache (role switches); everything that matches prefixes follows."""
@@ -334,6 +381,7 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.forward_thread.stop()
+        self.grammars.shutdown()
         self.controller.shutdown()
         self.role.shutdown()
         pool = getattr(self.runner, "kv_pool", None)
@@ -367,7 +415,7 @@ class Scheduler:
             call_id=call_id,
             num_running_reqs=len(self.live_reqs()),
             num_decoding_reqs=len(self.running),
-            num_waiting_reqs=len(self.waiting_queue) + self.role.num_queued(),
+            num_waiting_reqs=len(self.waiting_queue) + len(self.grammars.waiting) + self.role.num_queued(),
             num_used_tokens=used,
             max_total_tokens=total,
             token_usage=used / max(total, 1),
@@ -383,6 +431,7 @@ class Scheduler:
             disaggregation_mode=self.role.name,
             epoch=self.controller.epoch,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
+                         "grammar": len(self.grammars.waiting),
                          **self.role.queue_sizes()},
             queued_prefill_tokens=self.queued_prefill_tokens(),
             **self._transfer_stats(),

@@ -25,7 +25,6 @@ from tidal.server.protocol import (
     event_stream,
     openai_sampling_dict,
     parse_body,
-    refuse_unsupported_openai,
     run_until_done,
     sampling_from_dict,
     sse,
@@ -166,7 +165,6 @@ def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
     check_model(body.model, model_name)
-    refuse_unsupported_openai(body)
     refuse_tools(body)
     _check_max_tokens(body.max_tokens, "max_tokens")
     ids, prompts = await _completion_prompts(tm, body.prompt)
@@ -289,7 +287,6 @@ async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage],
 async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
     check_model(body.model, model_name)
-    refuse_unsupported_openai(body)
     _check_max_tokens(body.max_tokens, "max_tokens")
     _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -299,8 +296,14 @@ async def create_chat_completion(request: Request, tm: TokenizerManager, model_n
     ids = await chat_prompt_ids(tm, body.messages, template_tools(plan))
     _check_fits_context(tm, [ids], max_tokens)
     schema = plan.json_schema()
-    reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False,
-                       extra_sampling=None if schema is None else {"json_schema": json.dumps(schema)})
+    try:
+        reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False,
+                           extra_sampling=None if schema is None else {"json_schema": json.dumps(schema)})
+    except ApiError as e:
+        if schema is None or e.status_code != 400 or "json_schema" not in e.message:
+            raise
+        raise ApiError(f"tool_choice {plan.choice!r} decodes under the tools' parameters schemas, which the "
+                       f"grammar engine refuses: {e.message}") from None
     call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n, [],
                  logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                  tools=plan, tool_call_parser=tm.args.tool_call_parser)

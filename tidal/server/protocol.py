@@ -7,6 +7,7 @@ the wrong type are a 400, never a silent coercion.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import uuid
 from typing import Any, AsyncIterator, Optional, Sequence, Union
@@ -146,11 +147,13 @@ class _OpenAIBase(_Body):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
-    # declared so that they are refused (refuse_unsupported_openai), not silently ignored
+    # constrained decoding: SGLang's extra fields, or OpenAI's response_format (one of them)
     regex: Optional[str] = None
     json_schema: Optional[Union[str, dict[str, Any]]] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
+    # tool calling: checked and planned in tidal.server.tool_calls (legacy functions are refused there)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     functions: Optional[list[Any]] = None
@@ -180,12 +183,33 @@ class ChatCompletionRequest(_OpenAIBase):
     parallel_tool_calls: Optional[bool] = None
 
 
-def refuse_unsupported_openai(req: _OpenAIBase) -> None:
-    """400 for the OpenAI fields that ask for output tidal cannot constrain yet."""
-    fmt = req.response_format
-    if fmt is not None and fmt.get("type", "text") != "text":
-        raise ApiError(f"response_format type {fmt.get('type')!r} is not supported (constrained decoding "
-                       "is not implemented); only {\"type\": \"text\"} is")
+def response_format_grammar(fmt: Optional[dict[str, Any]]) -> dict[str, str]:
+    """OpenAI's response_format as SGLang's constraint fields ({} for text or none)."""
+    if fmt is None:
+        return {}
+    kind = fmt.get("type", "text")
+    if kind == "text":
+        return {}
+    if kind == "json_object":
+        return {"json_schema": '{"type": "object"}'}
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        schema = spec.get("schema", spec.get("schema_")) if isinstance(spec, dict) else None
+        if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
+            raise ApiError("response_format json_schema needs a `json_schema` object with a `name` and a `schema`")
+        return {"json_schema": _json_text(schema if schema is not None else {}, "response_format.json_schema.schema")}
+    if kind == "structural_tag":
+        return {"structural_tag": _json_text({k: v for k, v in fmt.items() if k != "type"}, "response_format")}
+    raise ApiError(f"response_format type {kind!r} is not supported; use text, json_object, json_schema or structural_tag")
+
+
+def _json_text(value: Any, name: str) -> str:
+    """A JSON Schema given as an object or as a JSON string -> the JSON string."""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise ApiError(f"{name} must be a JSON object (or a JSON string), got {type(value).__name__}")
+    return json.dumps(value)
 
 
 def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[str, Any]:
@@ -209,27 +233,32 @@ def openai_sampling_dict(req: _OpenAIBase, max_tokens: Optional[int]) -> dict[st
         "regex": req.regex,
         "json_schema": req.json_schema,
         "ebnf": req.ebnf,
+        "structural_tag": req.structural_tag,
     }
+    from_format = response_format_grammar(req.response_format)
+    if from_format:
+        if any(pairs[k] is not None for k in ("regex", "json_schema", "ebnf", "structural_tag")):
+            raise ApiError("response_format cannot be combined with regex, json_schema, ebnf or structural_tag")
+        pairs.update(from_format)
     # max_new_tokens stays even when None: an explicit null means "up to the context length"
     return {k: v for k, v in pairs.items() if v is not None or k == "max_new_tokens"}
 
 
 _SAMPLING_FIELDS = set(SamplingParams.__struct_fields__)
-CONSTRAINED_DECODING_KEYS = ("regex", "json_schema", "ebnf", "structural_tag")
 
 
 def sampling_from_dict(d: Optional[dict[str, Any]]) -> tuple[SamplingParams, bool, int]:
     """SGLang `sampling_params` -> (SamplingParams, max_new_tokens_was_set, n).
 
-    Unknown keys are ignored, but the constrained-decoding ones are refused (400) rather
-    than dropped; `stop` may be a string; `sampling_seed` is an alias of
-    `seed`. Raises ApiError on a wrong type; values are checked later, by
-    TokenizerManager.make_req, once the prompt length is known.
+    Unknown keys are ignored; `stop` may be a string; `json_schema` and `structural_tag` may be
+    objects instead of JSON strings; `sampling_seed` is an alias of `seed`. Raises ApiError on a
+    wrong type; values (and grammars) are checked later, by TokenizerManager.make_req, once the
+    prompt length is known.
     """
     d = dict(d or {})
-    for key in CONSTRAINED_DECODING_KEYS:
+    for key in ("json_schema", "structural_tag"):
         if d.get(key) is not None:
-            raise ApiError(f"{key} is not supported by this server (constrained decoding is not implemented)")
+            d[key] = _json_text(d[key], key)
     n = d.pop("n", None)
     n = 1 if n is None else n
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:

@@ -20,6 +20,7 @@ from typing import Any, AsyncIterator, Optional, Sequence
 import zmq
 
 from tidal.config import ServerArgs
+from tidal.constrained.grammar import GrammarError, JsonStyle, check_grammar
 from tidal.messages import (
     AbortReq,
     BatchOut,
@@ -191,6 +192,7 @@ class TokenizerManager:
         self.tokenizer = tokenizer if tokenizer is not None else load_server_tokenizer(args)
         self.max_chars_per_token = max_chars_per_token(self.tokenizer)
         self.metrics = metrics
+        self._valid_grammars: set[tuple[str, str]] = set()
         self.ready: Optional[SchedulerReady] = None
         self.mode, self.epoch = args.disaggregation_mode, 0  # last known; the scheduler is authoritative
         self.dead_reason: Optional[str] = None
@@ -348,6 +350,22 @@ class TokenizerManager:
         if any(not 0 <= t < vocab for t in ids):
             raise ApiError(f"{name} must be token ids in [0, {vocab})")
 
+    def check_grammar(self, sampling: SamplingParams) -> None:
+        """400 for a grammar the engine would refuse (bad JSON Schema, regex or EBNF), before
+        the request reaches a scheduler. Valid grammars are remembered (a bounded set)."""
+        key = sampling.grammar_key
+        if key is None or key in self._valid_grammars:
+            return
+        if self.args.grammar_backend == "none":
+            raise ApiError(f"{key[0]} needs constrained decoding, which this server has off (--grammar-backend none)")
+        try:
+            check_grammar(key[0], key[1], JsonStyle(self.args.constrained_json_whitespace_pattern))
+        except GrammarError as e:
+            raise ApiError(str(e)) from None
+        if len(self._valid_grammars) >= 1024:
+            self._valid_grammars.clear()
+        self._valid_grammars.add(key)
+
     def check_input_len(self, n: int) -> None:
         if n > self.ready.max_req_input_len:
             raise self._too_long(f"{n} tokens")
@@ -383,6 +401,7 @@ class TokenizerManager:
             sampling.top_k = -1  # the same distribution, and a value the wire format can carry
         check_top_logprobs(top_logprobs_num, self.args.max_logprobs)
         check_stop(sampling.stop, self.args.max_stop_strings, self.args.max_stop_string_chars)
+        self.check_grammar(sampling)
         if not -1 <= logprob_start_len < n:
             raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
         return GenerateReq(

@@ -108,7 +108,7 @@ def plan_tools(body: Any) -> ToolPlan:
         raise ApiError(f"tool_choice names the function {function!r}, which is not in tools "
                        f"({', '.join(params) or 'none'})")
     if choice in ("required", "named"):
-        for key in ("response_format", "json_schema", "regex", "ebnf"):
+        for key in ("response_format", "json_schema", "regex", "ebnf", "structural_tag"):
             value = getattr(body, key, None)
             if value is not None and not (key == "response_format" and value.get("type", "text") == "text"):
                 raise ApiError(f"tool_choice {choice!r} constrains the output itself; it cannot be combined with {key}")
