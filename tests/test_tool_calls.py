@@ -139,3 +139,16 @@ def test_chat_template_gets_tools_tool_calls_and_tool_results():
     assert "<tool_call>get_weather(Paris)</tool_call>" in prompt  # arguments given to the template as an object
     assert "<|im_start|>tool\n18C[for call_1]<|im_end|>" in prompt
     assert prompt.endswith("<|im_start|>assistant\n")
+
+
+def test_auto_without_parallel_tool_calls_answers_the_first_call_only():
+    one = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>'
+    text = one % "Paris" + "\n" + one % "Rome"
+    plan = plan_tools(request(tools=[WEATHER], parallel_tool_calls=False))
+    msg = ToolOutput(plan, get_parser("hermes")).message(text)
+    assert [c["function"]["arguments"] for c in msg["tool_calls"]] == ['{"city": "Paris"}']
+    out = ToolOutput(plan, get_parser("hermes"))
+    deltas = [d for i in range(1, len(text) + 1) for d in out.deltas(text[:i], final=i == len(text))]
+    assert {d["tool_calls"][0]["index"] for d in deltas} == {0}
+    both = ToolOutput(plan_tools(request(tools=[WEATHER])), get_parser("hermes")).message(text)
+    assert len(both["tool_calls"]) == 2

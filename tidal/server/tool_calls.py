@@ -204,6 +204,7 @@ class ToolOutput:
             content, calls = self.parser.parse(text)
             if self.plan.choice == "required":
                 content = None if calls else text
+            calls = calls if self.plan.parallel else calls[:1]
         msg: dict = {"role": "assistant", "content": content}
         if calls:
             msg["tool_calls"] = [_call_dict(c) for c in calls]
@@ -218,6 +219,8 @@ class ToolOutput:
         out = self.stream.feed(text[len(self.stream.text):], final=final)
         if self.plan.choice == "required":
             out = [d for d in out if "tool_calls" in d]
+        if not self.plan.parallel:  # parallel_tool_calls false: the first call only
+            out = [d for d in out if d.get("tool_calls", [{"index": 0}])[0]["index"] == 0]
         return out
 
     def _named_deltas(self, text: str) -> list[dict]:
