@@ -14,13 +14,15 @@ analysis (`ToolCallParser.analyze`) serves both modes:
   back: it ends where the JSON broke and the rest streams as content.
 
 Content is the text outside calls; whitespace that touches a call belongs to the call.
-Arguments are passed on exactly as the model wrote them (never re-serialized).
+Arguments are passed on exactly as the model wrote them (re-serialized only for a call whose
+`name` does not come first, which is announced once complete).
 """
 
 from __future__ import annotations
 
+import copy
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional, Union
 
 import regex
@@ -44,6 +46,15 @@ Segment = Union[Content, Call]
 
 
 @dataclass
+class Settled:
+    """How far a growing text is decided for good: the segments before `pos` (streaming)."""
+
+    pos: int = 0
+    after_call: bool = False
+    segs: list = field(default_factory=list)
+
+
+@dataclass
 class _Scan:
     status: str  # "ok" | "partial" | "bad"
     name: Optional[str] = None  # set once the name is known (the call may be announced)
@@ -51,12 +62,14 @@ class _Scan:
     end: int = 0  # ok: where the call ends; bad with a name: where the JSON broke
 
 
-def _json_object_end(text: str, i: int) -> Optional[int]:
+def _json_object_end(text: str, i: int, memo: Optional[dict] = None) -> Optional[int]:
     """The index just past the JSON object starting at text[i] == '{', or None if the text
-    ends first (strings and escapes respected; the content is checked later by json.loads)."""
-    depth, in_str, esc = 0, False, False
-    for k in range(i, len(text)):
+    ends first (strings and escapes respected; the content is checked later by json.loads).
+    `memo` (streaming, where the text only grows) keeps each scan's progress by its start."""
+    k, depth, in_str, esc, end = memo.get(i, (i, 0, False, False, None)) if memo is not None else (i, 0, False, False, None)
+    while end is None and k < len(text):
         ch = text[k]
+        k += 1
         if in_str:
             if esc:
                 esc = False
@@ -71,8 +84,10 @@ def _json_object_end(text: str, i: int) -> Optional[int]:
         elif ch in "}]":
             depth -= 1
             if depth == 0:
-                return k + 1
-    return None
+                end = k
+    if memo is not None:
+        memo[i] = (k, depth, in_str, esc, end)
+    return end
 
 
 def _skip_ws(text: str, i: int) -> int:
@@ -97,6 +112,10 @@ class ToolCallParser:
     markers: tuple[str, ...] = ()
     close = regex.compile(r"")
     header = regex.compile(NAME_ARGS)
+
+    def __init__(self) -> None:
+        self._close_after_args = regex.compile(r"\s*\}" + self.close.pattern)  # the call object's own `}`
+        self.scan_memo: Optional[dict] = None  # set by ToolCallStream: the text only grows
 
     # ---------------------------------------------------------------- format hooks
 
@@ -132,7 +151,7 @@ class ToolCallParser:
         except ValueError:
             return _Scan("bad")
         start = m.end() - 1  # the arguments object's `{`
-        end = _json_object_end(text, start)
+        end = _json_object_end(text, start, self.scan_memo)
         if end is None:
             return _Scan("partial", name, text[start:])
         args = text[start:end]
@@ -143,9 +162,6 @@ class ToolCallParser:
             return _Scan("bad", name, args, end)
         return _Scan("partial" if c.partial else "ok", name, args, c.end())
 
-    def __init__(self) -> None:
-        self._close_after_args = regex.compile(r"\s*\}" + self.close.pattern)  # the call object's own `}`
-
     def _scan_whole_object(self, text: str, body: int) -> _Scan:
         """A call whose keys come in another order: decided only once its object is complete."""
         start = _skip_ws(text, body)
@@ -153,7 +169,7 @@ class ToolCallParser:
             return _Scan("partial")
         if text[start] != "{":
             return _Scan("bad")
-        end = _json_object_end(text, start)
+        end = _json_object_end(text, start, self.scan_memo)
         if end is None:
             return _Scan("partial")
         obj = _loads_object(text[start:end])
@@ -169,12 +185,14 @@ class ToolCallParser:
 
     # ---------------------------------------------------------------- the whole text
 
-    def analyze(self, text: str, final: bool, strict: bool) -> list[Segment]:
+    def analyze(self, text: str, final: bool, strict: bool, settled: Optional[Settled] = None) -> list[Segment]:
         """Segments of `text`. final=False: the text may still grow, so only what is decided
         is returned (held text left out). strict=False: a call is kept from the moment its
-        name is known (streaming)."""
-        segs: list[Segment] = []
-        pos, after_call = 0, False
+        name is known (streaming). `settled` (a growing text's) resumes after the calls already
+        closed, and is moved past each call closed now."""
+        settled = settled or Settled()
+        segs: list[Segment] = list(settled.segs)
+        pos, after_call = settled.pos, settled.after_call
         while True:
             first = not segs and pos == 0
             hit = self.call_start(text, pos, first, after_call)
@@ -193,6 +211,7 @@ class ToolCallParser:
                 self._add_content(segs, text[pos:start], after_call, before_call=True)
                 segs.append(Call(scan.name, scan.arguments))
                 pos, after_call = scan.end, True
+                settled.pos, settled.after_call, settled.segs = pos, True, list(segs)
                 continue
             if scan.name is not None and not strict:  # announced already: cut the call here
                 self._add_content(segs, text[pos:start], after_call, before_call=True)
@@ -200,6 +219,7 @@ class ToolCallParser:
                 if scan.status == "partial":  # final: the output ended inside the call
                     return segs
                 pos, after_call = scan.end, True
+                settled.pos, settled.after_call, settled.segs = pos, True, list(segs)
                 continue
             # not a call: its marker is content, and the search goes on after it
             self._add_content(segs, text[pos:body], after_call, before_call=False)
@@ -308,7 +328,9 @@ class ToolCallStream:
     """
 
     def __init__(self, parser: ToolCallParser, new_id) -> None:
-        self.parser = parser
+        self.parser = copy.copy(parser)  # its own scan memo; `parser` stays usable for whole texts
+        self.parser.scan_memo = {}
+        self.settled = Settled()
         self.new_id = new_id
         self.text = ""
         self.content_sent = 0
@@ -320,7 +342,7 @@ class ToolCallStream:
 
     def feed(self, delta: str, final: bool = False) -> list[dict]:
         self.text += delta
-        segs = self.parser.analyze(self.text, final=final, strict=False)
+        segs = self.parser.analyze(self.text, final=final, strict=False, settled=self.settled)
         out: list[dict] = []
         content_at, k = 0, 0
         for seg in segs:
