@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from servers import Server, free_port
-from test_e2e_tools import FORCED, MESSAGES, TOOLS, check_calls, create
+from test_e2e_tools import FORCED, TOOLS, check_calls, create
 
 pytestmark = pytest.mark.timeout(900)
 

@@ -13,7 +13,7 @@ from tidal.config import default_model_path
 from tidal.model.tokenizer import load_tokenizer
 from tidal.server.openai_api import chat_prompt
 from tidal.server.protocol import ApiError, ChatCompletionRequest, parse_body
-from tidal.server.tool_calls import ToolOutput, plan_tools
+from tidal.server.tool_calls import ToolOutput, plan_tools, tool_sampling
 from tidal.server.tool_parser import get_parser
 
 WEATHER = {"type": "function", "function": {
@@ -152,3 +152,14 @@ def test_auto_without_parallel_tool_calls_answers_the_first_call_only():
     assert {d["tool_calls"][0]["index"] for d in deltas} == {0}
     both = ToolOutput(plan_tools(request(tools=[WEATHER])), get_parser("hermes")).message(text)
     assert len(both["tool_calls"]) == 2
+
+
+def test_sampling_gets_the_schema_or_keeps_special_tokens_for_a_special_marker():
+    named = plan_tools(request(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+    assert json.loads(tool_sampling(named, get_parser("hermes"), None)["json_schema"]) == WEATHER["function"]["parameters"]
+    auto = plan_tools(request(tools=[WEATHER]))
+    assert tool_sampling(auto, get_parser("llama3"), None) == {"skip_special_tokens": False}  # <|python_tag|>
+    assert tool_sampling(auto, get_parser("llama3"), True) == {}  # the client's choice stands
+    assert tool_sampling(auto, get_parser("hermes"), None) == {}  # <tool_call> is ordinary text
+    assert tool_sampling(auto, None, None) == {}
+    assert tool_sampling(plan_tools(request(tools=[WEATHER], tool_choice="none")), get_parser("llama3"), None) == {}

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -31,7 +30,7 @@ from tidal.server.protocol import (
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 from tidal.server.tool_calls import (ToolOutput, ToolPlan, finish_reason, plan_tools, refuse_tools, template_message,
-                                     template_tools)
+                                     template_tools, tool_sampling)
 from tidal.server.tool_parser import get_parser
 
 
@@ -295,12 +294,12 @@ async def create_chat_completion(request: Request, tm: TokenizerManager, model_n
     plan = plan_tools(body)
     ids = await chat_prompt_ids(tm, body.messages, template_tools(plan))
     _check_fits_context(tm, [ids], max_tokens)
-    schema = plan.json_schema()
+    extra = tool_sampling(plan, get_parser(tm.args.tool_call_parser), body.skip_special_tokens)
     try:
         reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False,
-                           extra_sampling=None if schema is None else {"json_schema": json.dumps(schema)})
+                           extra_sampling=extra)
     except ApiError as e:
-        if schema is None or e.status_code != 400 or "json_schema" not in e.message:
+        if "json_schema" not in extra or e.status_code != 400 or "json_schema" not in e.message:
             raise
         raise ApiError(f"tool_choice {plan.choice!r} decodes under the tools' parameters schemas, which the "
                        f"grammar engine refuses: {e.message}") from None

@@ -116,6 +116,19 @@ def plan_tools(body: Any) -> ToolPlan:
     return ToolPlan(list(tools), choice, function, parallel, params)
 
 
+def tool_sampling(plan: ToolPlan, parser: Optional[ToolCallParser], skip_special_tokens: Optional[bool]) -> dict:
+    """Sampling fields the plan adds: the JSON schema of required / named, and for `auto` with a
+    parser whose call marker is a special token (Llama 3's <|python_tag|>) special tokens kept
+    in the text unless the request says otherwise."""
+    schema = plan.json_schema()
+    if schema is not None:
+        return {"json_schema": json.dumps(schema)}
+    if plan.choice == "auto" and plan.tools and parser is not None and parser.marker_is_special_token \
+            and skip_special_tokens is None:
+        return {"skip_special_tokens": False}
+    return {}
+
+
 def refuse_tools(body: Any) -> None:
     """400 for tool fields on /v1/completions (tools are a chat feature)."""
     if body.tools or body.functions or body.tool_choice not in (None, "none") \

@@ -110,6 +110,7 @@ class ToolCallParser:
 
     name = ""
     markers: tuple[str, ...] = ()
+    marker_is_special_token = False  # then the text must keep special tokens for calls to be found
     close = regex.compile(r"")
     header = regex.compile(NAME_ARGS)
 
@@ -272,6 +273,7 @@ class Llama3JsonParser(ToolCallParser):
 
     name = "llama3"
     markers = ("<|python_tag|>",)
+    marker_is_special_token = True
     close = regex.compile(r"")
     _separator = regex.compile(r"\s*;")
 
