@@ -168,6 +168,28 @@ def test_required_with_sampling_stays_valid(client):
         assert reason == "tool_calls" and len(check_calls(msg["tool_calls"])) == 1
 
 
+def test_each_of_n_choices_gets_its_own_calls(client, server):
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "parallel_tool_calls": False, "n": 2,
+            "max_tokens": 64, "temperature": 1.0, "seed": 7}
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert [c["index"] for c in choices] == [0, 1]
+    for c in choices:
+        assert c["finish_reason"] == "tool_calls" and len(check_calls(c["message"]["tool_calls"])) == 1
+    calls: dict[int, list] = {}
+    with httpx.stream("POST", server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=120) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    for tc in ch["delta"].get("tool_calls", []):
+                        if "id" in tc:
+                            calls.setdefault(ch["index"], []).append(dict(tc, function=dict(tc["function"])))
+                        else:
+                            calls[ch["index"]][tc["index"]]["function"]["arguments"] += tc["function"]["arguments"]
+    assert sorted(calls) == [0, 1] and all(len(check_calls(v)) == 1 for v in calls.values())
+
+
 # ---------------------------------------------------------------- auto with the hermes parser
 
 
