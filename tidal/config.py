@@ -170,6 +170,8 @@ class ServerArgs:
     grammar_backend: str = "llguidance"
     constrained_json_whitespace_pattern: Optional[str] = None
     grammar_compile_timeout_s: float = 60.0
+    # OpenAI tool calling (tool_choice "auto"): how tool calls are found in the output
+    tool_call_parser: Optional[str] = None
 
     @property
     def model_name(self) -> str:
@@ -222,6 +224,9 @@ class ServerArgs:
             raise ValueError("--pooling-method and --embedding-normalize need --is-embedding")
         if self.http_read_timeout_secs <= 0:
             raise ValueError("--http-read-timeout-secs must be > 0")
+        from tidal.server.tool_parser import get_parser
+
+        get_parser(self.tool_call_parser)  # ValueError naming the known parsers
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -357,6 +362,11 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
            "with ', ' and ': ' separators; free whitespace lets small models pad without end)")
     a("--grammar-compile-timeout-s", type=float, default=d.grammar_compile_timeout_s,
       help=f"a grammar still compiling after this many seconds fails its request (default: {d.grammar_compile_timeout_s:g})")
+    a("--tool-call-parser", default=None,
+      help="with tool_choice \"auto\" (the default when a chat request has tools), find tool calls in the output "
+           "and answer them as `tool_calls`: hermes (alias qwen25, qwen: <tool_call>{...}</tool_call>) or llama3 "
+           "(alias llama3_json: {\"name\": ..., \"parameters\": ...} separated by ';') (default: none, the "
+           "output stays content; required and named tool_choice work without a parser)")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:

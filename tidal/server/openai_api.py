@@ -24,12 +24,14 @@ from tidal.server.protocol import (
     event_stream,
     openai_sampling_dict,
     parse_body,
-    refuse_unsupported_openai,
     run_until_done,
     sampling_from_dict,
     sse,
 )
 from tidal.server.tokenizer_manager import ReqState, TokenizerManager
+from tidal.server.tool_calls import (ToolOutput, ToolPlan, finish_reason, plan_tools, refuse_tools, template_message,
+                                     template_tools, tool_sampling)
+from tidal.server.tool_parser import get_parser
 
 
 @dataclass
@@ -45,6 +47,11 @@ class _Call:
     echo: list[str] = field(default_factory=list)  # completions echo=True: prompt text per prompt
     logprobs: bool = False
     include_usage: bool = False
+    tools: Optional[ToolPlan] = None  # chat: the request's tool plan
+    tool_call_parser: Optional[str] = None  # the server's --tool-call-parser
+
+    def tool_output(self) -> ToolOutput:
+        return ToolOutput(self.tools, get_parser(self.tool_call_parser))
 
     def index(self, s: ReqState) -> int:
         return self.states.index(s)
@@ -99,14 +106,15 @@ def _finish(s: ReqState) -> tuple[Optional[str], Union[int, str, None]]:
 
 
 def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, max_tokens: Optional[int],
-                logprobs: bool, top_logprobs: int, prompt_logprobs: bool) -> list:
+                logprobs: bool, top_logprobs: int, prompt_logprobs: bool,
+                extra_sampling: Optional[dict] = None) -> list:
     if body.n < 1:
         raise ApiError(f"n must be >= 1, got {body.n}")
     check_n(body.n, tm.args.max_n)
     check_top_logprobs(top_logprobs, tm.args.max_logprobs)
     if body.bootstrap_room is not None and len(prompts) * body.n > 1:
         raise ApiError("A request with bootstrap_room (prefill/decode pairing) takes one prompt and n=1.")
-    params, max_set, _ = sampling_from_dict(openai_sampling_dict(body, max_tokens))
+    params, max_set, _ = sampling_from_dict({**openai_sampling_dict(body, max_tokens), **(extra_sampling or {})})
     base = body.rid or uuid.uuid4().hex
     reqs = []
     for i, ids in enumerate(prompts):
@@ -157,7 +165,7 @@ def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
     check_model(body.model, model_name)
-    refuse_unsupported_openai(body)
+    refuse_tools(body)
     _check_max_tokens(body.max_tokens, "max_tokens")
     ids, prompts = await _completion_prompts(tm, body.prompt)
     _check_fits_context(tm, ids, body.max_tokens)
@@ -256,35 +264,49 @@ def _message_dict(m: ChatMessage) -> dict:
             parts.append(part["text"])
         d["content"] = "".join(parts)
     d.setdefault("content", "")
-    return d
+    return template_message(d)
 
 
-async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage]) -> list[int]:
-    tok = tm.tokenizer
+def chat_prompt(tok: Any, messages: Sequence[ChatMessage], tools: Optional[list[dict]] = None) -> str:
+    """The chat template applied to `messages` (and `tools`, for templates that show them)."""
     if not getattr(tok, "chat_template", None):
         raise ApiError("This model has no chat template; use /v1/completions")
     msgs = [_message_dict(m) for m in messages]
     try:
-        prompt = tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        return tok.apply_chat_template(msgs, tools=tools, tokenize=False, add_generation_prompt=True)
     except Exception as e:  # jinja raises on template rule violations (role order, ...)
         raise ApiError(f"cannot apply the chat template: {e}") from None
+
+
+async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage],
+                          tools: Optional[list[dict]] = None) -> list[int]:
+    prompt = chat_prompt(tm.tokenizer, messages, tools)
     return (await tm.tokenize_all([prompt], add_special_tokens=False))[0]
 
 
 async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
     check_model(body.model, model_name)
-    refuse_unsupported_openai(body)
     _check_max_tokens(body.max_tokens, "max_tokens")
     _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError("top_logprobs requires logprobs to be true")
-    ids = await chat_prompt_ids(tm, body.messages)
+    plan = plan_tools(body)
+    ids = await chat_prompt_ids(tm, body.messages, template_tools(plan))
     _check_fits_context(tm, [ids], max_tokens)
-    reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False)
+    extra = tool_sampling(plan, get_parser(tm.args.tool_call_parser), body.skip_special_tokens)
+    try:
+        reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False,
+                           extra_sampling=extra)
+    except ApiError as e:
+        if "json_schema" not in extra or e.status_code != 400 or "json_schema" not in e.message:
+            raise
+        raise ApiError(f"tool_choice {plan.choice!r} decodes under the tools' parameters schemas, which the "
+                       f"grammar engine refuses: {e.message}") from None
     call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n, [],
-                 logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage))
+                 logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage),
+                 tools=plan, tool_call_parser=tm.args.tool_call_parser)
     apply_expected_mode(request, reqs)
     call.states = tm.submit(reqs, group=body.rid, text_in_logprobs=True)
     return await _respond(request, tm, call, body, _chat_choice, _stream_chat)
@@ -306,8 +328,9 @@ def _chat_logprobs(entries: list, tops: list) -> dict:
 def _chat_choice(call: _Call, s: ReqState) -> dict:
     reason, matched = _finish(s)
     lp = _chat_logprobs(s.output_token_logprobs, s.output_top_logprobs) if call.logprobs else None
-    return {"index": call.index(s), "message": {"role": "assistant", "content": s.text},
-            "logprobs": lp, "finish_reason": reason, "matched_stop": matched}
+    message = call.tool_output().message(s.text)
+    return {"index": call.index(s), "message": message, "logprobs": lp,
+            "finish_reason": finish_reason(reason, "tool_calls" in message), "matched_stop": matched}
 
 
 def _stream_chat(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
@@ -317,6 +340,7 @@ def _stream_chat(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
 async def _chat_chunks(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes]:
     sent_text = [-1] * len(call.states)  # -1: the role chunk is not sent yet
     sent_lp = [0] * len(call.states)
+    tools = [call.tool_output() for _ in call.states]
     async for changed in tm.updates(call.states):
         for s in changed:
             k = call.index(s)
@@ -324,16 +348,22 @@ async def _chat_chunks(tm: TokenizerManager, call: _Call) -> AsyncIterator[bytes
                 sent_text[k] = 0
                 yield sse(call.chunk([{"index": k, "delta": {"role": "assistant", "content": ""},
                                        "logprobs": None, "finish_reason": None}]))
-            delta = s.text[sent_text[k]:]
-            sent_text[k] = len(s.text)
+            reason, matched = _finish(s)
             lp = None
             if call.logprobs:
                 lp = _chat_logprobs(s.output_token_logprobs[sent_lp[k]:], s.output_top_logprobs[sent_lp[k]:])
                 sent_lp[k] = len(s.output_token_logprobs)
-            if delta or (lp and lp["content"]):
-                yield sse(call.chunk([{"index": k, "delta": {"content": delta}, "logprobs": lp,
+            if tools[k].active:
+                deltas = tools[k].deltas(s.text, final=reason is not None)
+            else:
+                deltas = [{"content": s.text[sent_text[k]:]}] if len(s.text) > sent_text[k] else []
+            sent_text[k] = len(s.text)
+            if not deltas and lp and lp["content"]:
+                deltas = [{"content": ""}]
+            for j, delta in enumerate(deltas):
+                yield sse(call.chunk([{"index": k, "delta": delta, "logprobs": lp if j == 0 else None,
                                        "finish_reason": None}]))
-            reason, matched = _finish(s)
             if reason:
-                yield sse(call.chunk([{"index": k, "delta": {}, "logprobs": None, "finish_reason": reason,
+                yield sse(call.chunk([{"index": k, "delta": {}, "logprobs": None,
+                                       "finish_reason": finish_reason(reason, tools[k].called),
                                        "matched_stop": matched}]))

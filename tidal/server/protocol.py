@@ -155,7 +155,7 @@ class _OpenAIBase(_Body):
     ebnf: Optional[str] = None
     structural_tag: Optional[Union[str, dict[str, Any]]] = None
     response_format: Optional[dict[str, Any]] = None
-    # declared so that they are refused (refuse_unsupported_openai), not silently ignored
+    # tool calling: checked and planned in tidal.server.tool_calls (legacy functions are refused there)
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     functions: Optional[list[Any]] = None
@@ -182,16 +182,7 @@ class ChatCompletionRequest(_OpenAIBase):
     max_completion_tokens: Optional[int] = None
     logprobs: bool = False
     top_logprobs: Optional[int] = None
-
-
-def refuse_unsupported_openai(req: _OpenAIBase) -> None:
-    """400 for the OpenAI fields that ask for output tidal cannot give yet."""
-    if req.tools or req.functions:
-        raise ApiError("tools (function calling) are not supported by this server")
-    for name in ("tool_choice", "function_call"):
-        choice = getattr(req, name)
-        if choice is not None and choice not in ("none", "auto"):
-            raise ApiError(f"{name}={choice!r} is not supported by this server (no tools)")
+    parallel_tool_calls: Optional[bool] = None
 
 
 def response_format_grammar(fmt: Optional[dict[str, Any]]) -> dict[str, str]:
