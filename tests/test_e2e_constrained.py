@@ -180,6 +180,11 @@ def test_constrained_traffic_survives_role_switches():
                 time.sleep(2)
         assert traffic.failures == [] and traffic.mismatches == []
         assert traffic.ok >= 6
+        # the API surface a client expects answers through the router after the switches
+        model = httpx.get(router.url + "/v1/models", timeout=30).json()["data"][0]["id"]
+        assert httpx.get(f"{router.url}/v1/models/{model}", timeout=30).status_code == 200
+        ids = httpx.post(router.url + "/tokenize", json={"prompt": "Hello"}, timeout=30).json()["tokens"]
+        assert httpx.post(router.url + "/detokenize", json={"tokens": ids}, timeout=30).json()["text"] == "Hello"
     finally:
         router.stop()
         for s in servers:
