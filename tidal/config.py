@@ -15,6 +15,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 DISAGG_MODES = ("null", "prefill", "decode")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGET_CHOICES = LORA_TARGET_MODULES + ("all",)
 
 
 SECRET_NAME_SUFFIXES = ("key", "token", "secret", "password")
@@ -157,6 +159,12 @@ class ServerArgs:
     max_batch_size_per_request: int = 256
     max_stop_strings: int = 32
     max_stop_string_chars: int = 1024
+    # multi-LoRA serving (tidal/model/lora.py)
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()  # "name=path" or a plain path (its name is the path)
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None
+    lora_target_modules: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -199,6 +207,19 @@ class ServerArgs:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 0")
         if self.http_read_timeout_secs <= 0:
             raise ValueError("--http-read-timeout-secs must be > 0")
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from tidal.model.lora_config import check_lora_args
+
+        check_lora_args(self)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-paths as {name: path}."""
+        from tidal.model.lora_config import parse_lora_paths
+
+        return parse_lora_paths(self.lora_paths)
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -304,6 +325,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help=f"most stop strings per request (default: {d.max_stop_strings})")
     a("--max-stop-string-chars", type=int, default=d.max_stop_string_chars,
       help=f"longest stop string, in characters (default: {d.max_stop_string_chars})")
+    a("--enable-lora", action="store_true",
+      help="serve LoRA adapters (PEFT) next to the base model, chosen per request by lora_path or the OpenAI "
+           "`model` (default: off; --lora-paths turns it on)")
+    a("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+      help="adapters to load at start, each name=path or a plain path (then its name is the path); "
+           "a path is a PEFT directory with adapter_config.json and adapter_model.safetensors (default: none)")
+    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+      help=f"most distinct adapters in one forward batch (the base model not counted) (default: {d.max_loras_per_batch})")
+    a("--max-lora-rank", type=int, default=None,
+      help="largest adapter rank accepted (default: the largest rank among --lora-paths; any rank without them)")
+    a("--lora-target-modules", nargs="+", default=None, choices=LORA_TARGET_CHOICES, metavar="MODULE",
+      help="projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+           "(default: the union of the --lora-paths adapters' targets; all without them)")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
@@ -312,6 +346,11 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     kw = {k: v for k, v in vars(ns).items() if k in fields and v is not None}
     if not kw.get("model_path"):
         kw["model_path"] = default_model_path()
+    for name in ("lora_paths", "lora_target_modules"):
+        if name in kw:
+            kw[name] = tuple(kw[name])
+    if kw.get("lora_paths"):
+        kw["enable_lora"] = True
     if kw.get("disaggregation_mode") == "decode":
         kw["disable_radix_cache"] = True  # as in SGLang: decode holds transferred KV, not a prefix tree
     args = ServerArgs(**kw)
