@@ -262,8 +262,8 @@ class LoRAManager:
             raise LoRAError(f"no LoRA adapter named {name!r} is loaded")
         logger.info("LoRA: unloaded %r", name)
 
-    def names(self) -> list[str]:
-        return list(self.adapters)
+    def paths(self) -> dict[str, str]:
+        return {n: a.path for n, a in self.adapters.items()}
 
     # ---------------------------------------------------------------- passes
 

@@ -115,7 +115,8 @@ class DecodeRole:
         keep = []
         polls = poll_and_all_reduce([r.pd.peer for r in self.transfer_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.transfer_queue, polls):
-            if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests:
+            if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests \
+                    and self.s.lora.fits(req, self.s.running):
                 self._start_decoding(req)
             elif poll == KVPoll.Failed:
                 self._free_metadata(req)

@@ -206,6 +206,8 @@ def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerR
         quantization=runner.quantization,
         torch_threads=getattr(runner, "torch_threads", 0),
         cpu_affinity=list(cpu_affinity or []),
+        lora_enabled=getattr(runner, "lora", None) is not None,
+        lora_adapters=runner.lora.paths() if getattr(runner, "lora", None) is not None else {},
     )
 
 

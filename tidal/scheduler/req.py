@@ -34,6 +34,7 @@ class Req:
         self.bootstrap_host = msg.bootstrap_host
         self.bootstrap_port = msg.bootstrap_port
         self.bootstrap_room = msg.bootstrap_room
+        self.lora_name: Optional[str] = msg.lora_name  # its KV is cached under this adapter only
         self.pd: Any = None  # PDState while a prefill/decode role transfers this request's KV
 
         self.output_ids: list[int] = []

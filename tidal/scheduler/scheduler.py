@@ -15,6 +15,7 @@ from tidal.messages import (
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
+    LoadLoRAReq,
     ModeStatusReq,
     PrepareModeReq,
     ReqOutput,
@@ -23,10 +24,12 @@ from tidal.messages import (
     SwitchModeReq,
     ToApi,
     ToScheduler,
+    UnloadLoRAReq,
 )
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.scheduler.batching import BatchPlanner
+from tidal.scheduler.lora import LoRAScheduling
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
 from tidal.scheduler.req import Req
@@ -65,6 +68,7 @@ class Scheduler:
         self.sampler = Sampler()
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
+        self.lora = LoRAScheduling(self)
         self.planner = BatchPlanner(self)
         self.stats = SchedulerStats()
         self.timing = StepTiming()
@@ -85,7 +89,7 @@ class Scheduler:
     # ------------------------------------------------------------------ inputs
 
     def handle(self, msg: ToScheduler) -> None:
-        if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq)):
+        if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq, LoadLoRAReq, UnloadLoRAReq)):
             self.drain()  # these look for an idle scheduler: no pass may be left in flight
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
@@ -105,6 +109,10 @@ class Scheduler:
             self.replies.append(self.controller.on_prepare(msg))
         elif isinstance(msg, ModeStatusReq):
             self.replies.append(self.controller.status(msg.call_id))
+        elif isinstance(msg, LoadLoRAReq):
+            self.replies.append(self.lora.load(msg))
+        elif isinstance(msg, UnloadLoRAReq):
+            self.replies.append(self.lora.unload(msg))
 
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg)
@@ -115,6 +123,7 @@ class Scheduler:
             req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
+        self.lora.on_accepted(req)
         self.role.accept(req)
 
     def _refusal(self, msg: GenerateReq) -> Optional[tuple[str, int]]:
@@ -137,6 +146,9 @@ class Scheduler:
                 f"The input ({n} tokens) is longer than the maximum allowed "
                 f"({self.max_req_input_len} tokens, context length {self.context_length})."
             )
+        lora_error = self.lora.check(req.lora_name)
+        if lora_error:
+            return lora_error
         vocab = self.runner.model_config.vocab_size
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
             return f"Input token ids must be in [0, {vocab})."
@@ -353,6 +365,9 @@ class Scheduler:
 
     def take_outbox(self) -> list[ReqOutput]:
         out, self.outbox = self.outbox, []
+        for o in out:
+            if o.finish_reason is not None:
+                self.lora.on_finished(o.rid)
         return out
 
     def take_replies(self) -> list[ToApi]:
