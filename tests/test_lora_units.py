@@ -104,7 +104,7 @@ def _delta_reference(x, a, b):
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])
 def test_lora_linear_adds_only_its_rows_delta_over_quantized_bases(kind):
-    from tidal.model.lora import LoRAAdapter, LoRALinear, LoRASegments
+    from tidal.model.lora import LoRAAdapter, LoRALinear, LoRAPass, column_masks, stack_adapters
     from tidal.model.quant import Int4Linear, Int4Weight, Int8Linear, int4_kernel_available
 
     if not int4_kernel_available():
@@ -117,18 +117,21 @@ def test_lora_linear_adds_only_its_rows_delta_over_quantized_bases(kind):
         w = Int4Weight(torch.randint(0, 16, (out_f, in_f), dtype=torch.uint8, generator=g),
                        torch.rand(out_f, in_f // 32, generator=g) * 0.1, torch.zeros(out_f, in_f // 32))
         base = Int4Linear(w, None, None, max_quant_tokens=0)
-    a, b = torch.randn(r, in_f, generator=g), torch.randn(out_f, r, generator=g) * 0.1
-    adapter = LoRAAdapter("t", "/none", r, ("o_proj",), {(0, "self_attn.o_proj"): (a, b)})
-    state = SimpleNamespace(current=lambda: segments)
-    layer = LoRALinear(base, 0, "self_attn.o_proj", state)
+    key = (0, "self_attn.o_proj")
+    ab = {name: (torch.randn(r, in_f, generator=g), torch.randn(out_f, r, generator=g) * 0.1) for name in "pq"}
+    adapters = [LoRAAdapter(n, "/none", r, ("o_proj",), {key: ab[n]}, {"self_attn.o_proj": r}) for n in "pq"]
+    rows = {"p": [1, 3], "q": [2]}
+    lora = LoRAPass(stack_adapters(adapters), column_masks(adapters, [torch.tensor(rows[n]) for n in "pq"], 5,
+                                                             torch.float32, torch.device("cpu")))
+    layer = LoRALinear(base, 0, "self_attn.o_proj", SimpleNamespace(current=lambda: lora))
     x = torch.randn(5, in_f, generator=g)
-    segments = LoRASegments([(adapter, torch.tensor([1, 3]))])
     with torch.inference_mode():
         got, plain = layer(x), base(x)
     expect = plain.double().clone()
-    expect[[1, 3]] += _delta_reference(x[[1, 3]], a, b)
+    for n in "pq":
+        expect[rows[n]] += _delta_reference(x[rows[n]], *ab[n])
     assert torch.allclose(got.double(), expect, atol=1e-4)
-    assert torch.equal(got[[0, 2, 4]], plain[[0, 2, 4]])  # rows without the adapter: the base output
+    assert torch.equal(got[[0, 4]], plain[[0, 4]])  # rows without an adapter: exactly the base output
 
 
 # ---------------------------------------------------------------- flags

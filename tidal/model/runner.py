@@ -133,7 +133,7 @@ class ModelRunner:
             self.attn_backend.init_forward_metadata(fb)
             if self.lora is not None:
                 self.lora.begin(None if fb.lora_names is None else
-                                self.lora.segments(fb.lora_names, fb.extend_seq_lens_cpu))
+                                self.lora.prepare(fb.lora_names, fb.extend_seq_lens_cpu))
             if self.compiled is not None and self.compiled.takes(fb):
                 return self.compiled(fb)[logit_rows]
             hidden = self.model(fb)  # [T, hidden]
