@@ -14,7 +14,8 @@ from A and zero in B.
 A pass with several adapters stacks them once more: A_all = [A_1; A_2; ...], B_all = [B_1 B_2 ...]
 (cached per set of adapters), and a [T, R_tot] 0/1 mask keeps for each token only its adapter's
 rank columns: delta = ((x @ A_all^T) * mask) @ B_all^T. That is three ops per layer however many
-adapters share the batch (a loop of per-adapter gathers and matmuls was 2x slower at decode),
+adapters share the batch (a loop of per-adapter gathers, matmuls and index_add_ cost about twice
+as much at decode, docs/benchmarks.md section 13),
 at the price of computing every token against every adapter's A (R_tot is small next to the
 base layer's width).
 
