@@ -157,3 +157,73 @@ def test_lora_flags():
         _parse("--enable-lora", "--enable-torch-compile")
     with pytest.raises(ValueError, match="--max-loras-per-batch"):
         _parse("--enable-lora", "--max-loras-per-batch", "0")
+
+
+# ---------------------------------------------------------------- the scheduler with a fake runner
+
+
+class AdapterTable:
+    """The runner's LoRA manager as the scheduler sees it: names in, names out (no weights)."""
+
+    def __init__(self, names):
+        self.adapters = {n: n for n in names}
+
+    def paths(self):
+        return dict(self.adapters)
+
+    def unload(self, name):
+        del self.adapters[name]
+
+
+def _lora_sched(max_per_batch: int):
+    from fakes import FakeModelRunner
+
+    from tidal.scheduler.scheduler import Scheduler
+
+    class Runner(FakeModelRunner):
+        def __init__(self):
+            super().__init__()
+            self.lora = AdapterTable(["a", "b", "c"])
+            self.batches: list = []
+
+        def forward(self, fb, logit_rows):
+            self.batches.append(fb.lora_names)
+            return super().forward(fb, logit_rows)
+
+    args = ServerArgs(model_path="fake", max_loras_per_batch=max_per_batch, disable_overlap_schedule=True)
+    return Scheduler(args, Runner(), tokenizer=None)
+
+
+def test_scheduler_batches_at_most_max_loras_per_batch_adapters():
+    from fakes import reference_generate
+    from test_scheduler import run_to_end, submit
+
+    sched = _lora_sched(2)
+    names = ["a", "b", "c", None, "a", "c", "b", None]
+    for i, name in enumerate(names):
+        submit(sched, f"r{i}", [i + 1, 7, 9, 11], 6, lora_name=name)
+    out = run_to_end(sched)
+    for i in range(len(names)):
+        assert out[f"r{i}"][0] == reference_generate([i + 1, 7, 9, 11], 6)
+    distinct = [len({n for n in batch if n is not None}) for batch in sched.runner.batches if batch]
+    assert max(distinct) == 2  # adapters share batches, never more than the limit
+
+
+def test_scheduler_refuses_unknown_adapters_and_unloading_one_in_use():
+    from test_scheduler import run_to_end, submit
+
+    from tidal.messages import UnloadLoRAReq
+
+    sched = _lora_sched(8)
+    submit(sched, "bad", [1, 2, 3], 4, lora_name="zzz")
+    bad = sched.take_outbox()[0]
+    assert bad.finish_reason.status_code == 400 and "zzz" in bad.finish_reason.message
+    submit(sched, "r", [1, 2, 3], 40, lora_name="a")
+    sched.step()
+    sched.handle(UnloadLoRAReq(call_id=1, lora_name="a"))
+    busy = sched.take_replies()[0]
+    assert busy.status_code == 400 and "in use" in busy.message
+    run_to_end(sched)
+    sched.handle(UnloadLoRAReq(call_id=2, lora_name="a"))
+    done = sched.take_replies()[0]
+    assert done.success and "a" not in done.adapters
