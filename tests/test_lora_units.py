@@ -227,3 +227,10 @@ def test_scheduler_refuses_unknown_adapters_and_unloading_one_in_use():
     sched.handle(UnloadLoRAReq(call_id=2, lora_name="a"))
     done = sched.take_replies()[0]
     assert done.success and "a" not in done.adapters
+
+
+def test_adapter_paths_are_hidden_like_model_paths():
+    from tidal.config import hide_model_paths
+
+    info = {"lora_paths": ["a=/secret/a", "/secret/b"], "scheduler_info": {"lora_adapters": {"a": "/secret/a"}}}
+    assert "/secret" not in str(hide_model_paths(info, "m"))

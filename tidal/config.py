@@ -59,9 +59,18 @@ def hide_model_paths(obj, model_name=None):
         if k in PATH_FIELDS and isinstance(v, str):
             name = model_name or obj.get("served_model_name") or obj.get("id")
             out[k] = name if isinstance(name, str) and name else os.path.basename(v.rstrip("/\\"))
+        elif k == "lora_paths" and isinstance(v, (list, tuple)):  # "name=path" entries: the names
+            out[k] = [_adapter_label(str(e).partition("=")[0]) for e in v]
+        elif k == "lora_adapters" and isinstance(v, dict):  # name -> path: the names
+            out[k] = {_adapter_label(n): _adapter_label(n) for n in v}
         else:
             out[k] = hide_model_paths(v, model_name)
     return out
+
+
+def _adapter_label(name: str) -> str:
+    """A LoRA adapter's name for display; one named by its path (a plain --lora-paths entry) shows its last component."""
+    return os.path.basename(name.rstrip("/\\")) if "/" in name or "\\" in name else name
 
 
 # Keys may come from the environment instead of the command line, which every local user

@@ -32,7 +32,7 @@ def _answer(resp: Any) -> Response:
 
 def adapter_cards(tm: Any, base: dict) -> list[dict]:
     """One OpenAI model card per loaded adapter, its parent the base model (vLLM's shape)."""
-    return [{**base, "id": name, "root": path, "parent": base["id"]} for name, path in tm.lora_adapters.items()]
+    return [{**base, "id": name, "root": path, "parent": base["id"]} for name, path in getattr(tm, "lora_adapters", {}).items()]
 
 
 def lora_for_model(tm: Any, requested: Optional[str], served: str) -> Optional[str]:
