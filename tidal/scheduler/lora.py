@@ -19,10 +19,6 @@ class LoRAScheduling:
         self.max_per_batch = sched.args.max_loras_per_batch
         self.users: dict[str, str] = {}  # rid -> adapter of every accepted request not yet finished
 
-    @property
-    def enabled(self) -> bool:
-        return self.manager is not None
-
     def check(self, name: Optional[str]) -> Optional[str]:
         """Why a request may not use this adapter (None: it may)."""
         if name is None:
