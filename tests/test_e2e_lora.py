@@ -9,7 +9,6 @@ import time
 
 import httpx
 import pytest
-from lora_fixtures import lora_adapters  # noqa: F401  (fixture)
 
 from servers import Server
 

@@ -10,7 +10,6 @@ import time
 
 import httpx
 import pytest
-from lora_fixtures import lora_adapters  # noqa: F401  (fixture)
 
 from servers import Server, free_port, free_port_block
 

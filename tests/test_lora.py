@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lora_fixtures import ADAPTERS, lora_adapters, load_hf_model  # noqa: F401  (fixture)
+from lora_fixtures import ADAPTERS, load_hf_model
 from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
 from test_model_parity import GGUF_PATH, PagedKV, make_batch
 
