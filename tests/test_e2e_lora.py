@@ -118,6 +118,18 @@ def test_load_use_and_unload(server, lora_adapters):
     assert again.json()["output_ids"] == out and again.json()["meta_info"]["cached_tokens"] == 0
 
 
+def test_broken_adapter_files_are_400(server, tmp_path):
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA"}')  # no r
+    (tmp_path / "adapter_model.safetensors").write_bytes(b"not a safetensors file")
+    r = httpx.post(server.url + "/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(tmp_path)})
+    assert r.status_code == 400 and "broken" in r.json()["error"]["message"]
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4, "lora_alpha": 8}')
+    r = httpx.post(server.url + "/load_lora_adapter", json={"lora_name": "broken", "lora_path": str(tmp_path)})
+    assert r.status_code == 400
+    assert "broken" not in [m["id"] for m in httpx.get(server.url + "/v1/models").json()["data"]]
+    assert gen(server.url, PROMPT, "attn8").status_code == 200  # the scheduler lives on
+
+
 def test_lora_off_refuses_adapters():
     s = Server("--torch-threads", "1")
     try:

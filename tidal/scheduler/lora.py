@@ -45,8 +45,10 @@ class LoRAScheduling:
             return self._reply(msg, 400, "LoRA is not enabled on this server (start it with --enable-lora)")
         try:
             self.manager.load(msg.lora_name, msg.lora_path)
-        except (LoRAError, OSError, ValueError) as e:
+        except LoRAError as e:
             return self._reply(msg, 400, f"Failed to load LoRA adapter {msg.lora_name!r}: {e}")
+        except Exception as e:  # a broken file (bad JSON, truncated safetensors, ...) is the caller's input too
+            return self._reply(msg, 400, f"Failed to load LoRA adapter {msg.lora_name!r}: {type(e).__name__}: {e}")
         return self._reply(msg, 200, f"LoRA adapter {msg.lora_name!r} loaded.")
 
     def unload(self, msg: UnloadLoRAReq) -> LoRAResp:
