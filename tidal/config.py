@@ -17,6 +17,8 @@ GRAMMAR_BACKENDS = ("llguidance", "none")
 DISAGG_MODES = ("null", "prefill", "decode")
 POOLING_METHODS = ("last", "mean", "cls")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
+LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_TARGET_CHOICES = LORA_TARGET_MODULES + ("all",)
 
 
 SECRET_NAME_SUFFIXES = ("key", "token", "secret", "password")
@@ -59,9 +61,18 @@ def hide_model_paths(obj, model_name=None):
         if k in PATH_FIELDS and isinstance(v, str):
             name = model_name or obj.get("served_model_name") or obj.get("id")
             out[k] = name if isinstance(name, str) and name else os.path.basename(v.rstrip("/\\"))
+        elif k == "lora_paths" and isinstance(v, (list, tuple)):  # "name=path" entries: the names
+            out[k] = [_adapter_label(str(e).partition("=")[0]) for e in v]
+        elif k == "lora_adapters" and isinstance(v, dict):  # name -> path: the names
+            out[k] = {_adapter_label(n): _adapter_label(n) for n in v}
         else:
             out[k] = hide_model_paths(v, model_name)
     return out
+
+
+def _adapter_label(name: str) -> str:
+    """A LoRA adapter's name for display; one named by its path (a plain --lora-paths entry) shows its last component."""
+    return os.path.basename(name.rstrip("/\\")) if "/" in name or "\\" in name else name
 
 
 # Keys may come from the environment instead of the command line, which every local user
@@ -172,6 +183,12 @@ class ServerArgs:
     grammar_compile_timeout_s: float = 60.0
     # OpenAI tool calling (tool_choice "auto"): how tool calls are found in the output
     tool_call_parser: Optional[str] = None
+    # multi-LoRA serving (tidal/model/lora.py)
+    enable_lora: bool = False
+    lora_paths: tuple[str, ...] = ()  # "name=path" or a plain path (its name is the path)
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None
+    lora_target_modules: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -227,6 +244,19 @@ class ServerArgs:
         from tidal.server.tool_parser import get_parser
 
         get_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        self._validate_lora()
+
+    def _validate_lora(self) -> None:
+        from tidal.model.lora_config import check_lora_args
+
+        check_lora_args(self)
+
+    @property
+    def lora_adapters(self) -> dict[str, str]:
+        """--lora-paths as {name: path}."""
+        from tidal.model.lora_config import parse_lora_paths
+
+        return parse_lora_paths(self.lora_paths)
 
     def replace(self, **kw) -> "ServerArgs":
         return dataclasses.replace(self, **kw)
@@ -367,6 +397,19 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
            "and answer them as `tool_calls`: hermes (alias qwen25, qwen: <tool_call>{...}</tool_call>) or llama3 "
            "(alias llama3_json: {\"name\": ..., \"parameters\": ...} separated by ';') (default: none, the "
            "output stays content; required and named tool_choice work without a parser)")
+    a("--enable-lora", action="store_true",
+      help="serve LoRA adapters (PEFT) next to the base model, chosen per request by lora_path or the OpenAI "
+           "`model` (default: off; --lora-paths turns it on)")
+    a("--lora-paths", nargs="+", default=None, metavar="NAME=PATH",
+      help="adapters to load at start, each name=path or a plain path (then its name is the path); "
+           "a path is a PEFT directory with adapter_config.json and adapter_model.safetensors (default: none)")
+    a("--max-loras-per-batch", type=int, default=d.max_loras_per_batch,
+      help=f"most distinct adapters in one forward batch (the base model not counted) (default: {d.max_loras_per_batch})")
+    a("--max-lora-rank", type=int, default=None,
+      help="largest adapter rank accepted (default: the largest rank among --lora-paths; any rank without them)")
+    a("--lora-target-modules", nargs="+", default=None, choices=LORA_TARGET_CHOICES, metavar="MODULE",
+      help="projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or all "
+           "(default: the union of the --lora-paths adapters' targets; all without them)")
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
@@ -377,6 +420,11 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         kw["model_path"] = default_model_path()
     if kw.get("is_embedding"):
         kw["disable_radix_cache"] = True  # an embedding request's KV is freed when it is pooled
+    for name in ("lora_paths", "lora_target_modules"):
+        if name in kw:
+            kw[name] = tuple(kw[name])
+    if kw.get("lora_paths"):
+        kw["enable_lora"] = True
     if kw.get("disaggregation_mode") == "decode":
         kw["disable_radix_cache"] = True  # as in SGLang: decode holds transferred KV, not a prefix tree
     args = ServerArgs(**kw)

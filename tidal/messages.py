@@ -39,6 +39,8 @@ class GenerateReq(_Msg):
     expected_epoch: Optional[int] = None
     # --is-embedding servers: prefill only, the pooled hidden state comes back in ReqOutput.embedding
     embedding: bool = False
+    # the LoRA adapter to run this request with (SGLang's lora_path: a loaded adapter's name); None: the base model
+    lora_name: Optional[str] = None
 
 
 class AbortReq(_Msg):
@@ -71,7 +73,19 @@ class ModeStatusReq(_Msg):
     call_id: int
 
 
-ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq, SwitchModeReq, PrepareModeReq, ModeStatusReq]
+class LoadLoRAReq(_Msg):
+    call_id: int
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRAReq(_Msg):
+    call_id: int
+    lora_name: str
+
+
+ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq, SwitchModeReq, PrepareModeReq, ModeStatusReq,
+                    LoadLoRAReq, UnloadLoRAReq]
 
 
 # ---------------------------------------------------------------- scheduler -> API
@@ -125,6 +139,8 @@ class SchedulerReady(_Msg):
     cpu_affinity: list[str] = []  # each rank's CPUs, in rank order ("0-3")
     pooling: str = ""  # --is-embedding: how embeddings are pooled (tidal/model/pooling.py)
     hidden_size: int = 0
+    lora_enabled: bool = False
+    lora_adapters: dict[str, str] = {}  # loaded LoRA adapters at start: name -> path
 
 
 class FlushCacheResp(_Msg):
@@ -196,12 +212,21 @@ class ModeStatusResp(_Msg):
     enabled: bool
 
 
+class LoRAResp(_Msg):
+    """Answer to LoadLoRAReq / UnloadLoRAReq; `adapters` is every adapter loaded after it (name -> path)."""
+    call_id: int
+    success: bool
+    status_code: int = 200
+    message: str = ""
+    adapters: dict[str, str] = {}
+
+
 class SchedulerError(_Msg):
     message: str
 
 
 ToApi = Union[BatchOut, SchedulerReady, FlushCacheResp, StatsResp, LoadSnapshot, SchedulerError, SwitchModeResp,
-              ModeStatusResp]
+              ModeStatusResp, LoRAResp]
 
 _encoder = msgspec.msgpack.Encoder()
 _to_scheduler = msgspec.msgpack.Decoder(ToScheduler)

@@ -28,10 +28,10 @@ class ChunkCache:
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.allocator.device)
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
+    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult:
         return MatchResult(self._empty(), self.root_node)
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         return 0
 
     def inc_lock_ref(self, node: TreeNode) -> None:
@@ -54,6 +54,9 @@ class ChunkCache:
 
     def all_slots(self) -> torch.Tensor:
         return self._empty()
+
+    def drop_namespace(self, namespace: Any) -> bool:
+        return True
 
     def reset(self) -> bool:
         return True

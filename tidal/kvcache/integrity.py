@@ -120,6 +120,10 @@ def _check_tree(cache: Any, page_size: int) -> list[str]:
             errors.append(f"{where}: negative lock_ref {node.lock_ref}")
         if node.parent is not root and node.lock_ref > node.parent.lock_ref:
             errors.append(f"{where}: lock_ref {node.lock_ref} above its parent's {node.parent.lock_ref}")
+        if node.namespace is not None:  # a LoRA namespace's empty, always-locked head
+            if node.key or node.parent is not root or node.lock_ref < 1:
+                errors.append(f"{where}: namespace node with key {len(node.key)}, lock_ref {node.lock_ref}")
+            continue
         if len(node.key) != node.value.numel() or len(node.key) % page_size or not node.key:
             errors.append(f"{where}: key of {len(node.key)} tokens, value of {node.value.numel()} slots")
         if node.lock_ref > 0:

@@ -4,6 +4,11 @@ Each edge is a run of token ids (`node.key`) with the KV slots of those tokens
 (`node.value`). With page_size > 1 only whole pages are matched or inserted, so
 every node's key length is a multiple of page_size and its slots are whole pages.
 
+Namespaces (LoRA): KV computed under a LoRA adapter is only valid for that adapter, so
+each adapter's prefixes live under their own namespace node, a child of the root with an
+empty key that is never evicted (it stays locked). Base-model prefixes hang off the root
+itself, as without LoRA. A match never crosses namespaces.
+
 Ownership: slots in the tree belong to the tree. A request that matched a prefix
 locks the path (`inc_lock_ref`), which keeps it from eviction; `evictable_size`
 counts tokens of unlocked nodes and `protected_size` of locked ones.
@@ -34,6 +39,7 @@ class TreeNode:
         self.lock_ref = 0
         self.last_access_time = time
         self.id = next(TreeNode._ids)
+        self.namespace: Any = None  # set on a namespace node (an empty-keyed child of the root)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -127,13 +133,46 @@ class RadixCache:
 
     # ---- match / insert ---------------------------------------------------------
 
-    def match_prefix(self, key: list[int]) -> MatchResult:
-        """Longest cached page-aligned prefix of `key`; splits a node the match ends inside."""
+    def _namespace_root(self, namespace: Any, create: bool) -> TreeNode | None:
+        """Where the namespace's prefixes start: the root for None (the base model)."""
+        if namespace is None:
+            return self.root_node
+        node = self.root_node.children.get(("namespace", namespace))
+        if node is None and create:
+            node = TreeNode([], self._empty(), self.root_node, 0)
+            node.namespace, node.lock_ref = namespace, 1  # never evicted
+            self.root_node.children[("namespace", namespace)] = node
+        return node
+
+    def drop_namespace(self, namespace: Any) -> bool:
+        """Free every prefix cached under this namespace; refused (False) while one is locked."""
+        top = self._namespace_root(namespace, create=False) if namespace is not None else None
+        if top is None:
+            return True
+        nodes = list(self._subtree(top))
+        if any(n.lock_ref for n in nodes):
+            return False
+        for n in nodes:
+            self.allocator.free(n.value)
+            self._evictable -= len(n)
+        del self.root_node.children[("namespace", namespace)]
+        return True
+
+    def _subtree(self, top: TreeNode) -> Iterator[TreeNode]:
+        stack = list(top.children.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            yield node
+
+    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult:
+        """Longest cached page-aligned prefix of `key` in the namespace; splits a node the match ends inside."""
         key = key[: self._aligned(len(key))]
-        if self.disable or not key:
-            return MatchResult(self._empty(), self.root_node)
+        start = self._namespace_root(namespace, create=False)
+        if self.disable or not key or start is None:
+            return MatchResult(self._empty(), self.root_node if start is None else start)
         now = next(self._clock)
-        node, values = self.root_node, []
+        node, values = start, []
         node.last_access_time = now
         while key:
             child = node.children.get(self._child_key(key))
@@ -162,7 +201,7 @@ class RadixCache:
         parent.children[self._child_key(upper.key)] = upper
         return upper
 
-    def insert(self, key: list[int], value: torch.Tensor) -> int:
+    def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         """Add the page-aligned part of `key` with its slots `value`. Returns how many
         leading tokens were already cached: their slots in `value` are duplicates the
         caller still owns and must free."""
@@ -173,7 +212,7 @@ class RadixCache:
             raise ValueError(f"insert: {value.numel()} slots for {n_aligned} tokens")
         key, value = key[:n_aligned], value[:n_aligned]
         now = next(self._clock)
-        node, present = self.root_node, 0
+        node, present = self._namespace_root(namespace, create=True), 0
         while key:
             child = node.children.get(self._child_key(key))
             if child is None:
@@ -223,7 +262,7 @@ class RadixCache:
                 _, _, node = heapq.heappop(heap)
                 freed += self._delete_leaf(node)
                 parent = node.parent
-                if parent is not self.root_node and not parent.children and parent.lock_ref == 0:
+                if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                     heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
         finally:
             self.allocator.free_group_end()
@@ -261,7 +300,7 @@ class RadixCache:
             req.prefix_indices = kv
             return
         aligned = self._insert_req(req, token_ids, kv)
-        match = self.match_prefix(token_ids[:aligned])
+        match = self.match_prefix(token_ids[:aligned], namespace_of(req))
         if match.device_indices.numel() != aligned:
             raise RuntimeError(f"re-match found {match.device_indices.numel()} of {aligned} inserted tokens")
         self.req_to_token_pool.req_to_token[idx, :aligned] = match.device_indices
@@ -278,7 +317,7 @@ class RadixCache:
         owned_from = self._aligned(len(req.prefix_indices))
         if owned_from > aligned:
             raise RuntimeError(f"request has {owned_from} cached tokens but only {len(token_ids)} token ids")
-        present = self.insert(token_ids[:aligned], kv[:aligned])
+        present = self.insert(token_ids[:aligned], kv[:aligned], namespace_of(req))
         if present < owned_from:
             raise RuntimeError(f"locked prefix of {owned_from} tokens missing from the tree (found {present})")
         self.allocator.free(kv[owned_from:present])
@@ -299,6 +338,11 @@ class RadixCache:
         text = "\n".join(lines)
         print(text)
         return text
+
+
+def namespace_of(req: Any) -> Any:
+    """The prefix namespace of a request: its LoRA adapter's name (None: the base model)."""
+    return getattr(req, "lora_name", None)
 
 
 def req_pool_idx_of(req: Any) -> int:

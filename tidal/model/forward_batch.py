@@ -40,6 +40,8 @@ class ForwardBatch:
     seq_lens_cpu: list[int] = field(default_factory=list)
     extend_prefix_lens_cpu: list[int] = field(default_factory=list)
     extend_seq_lens_cpu: list[int] = field(default_factory=list)
+    # per request, its LoRA adapter's name (None: the base model); None when no request has one
+    lora_names: Optional[list[Optional[str]]] = None
     # filled by the attention backend's init_forward_metadata
     attn_metadata: Optional[Any] = None
 

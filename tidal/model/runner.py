@@ -78,6 +78,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             args.model_path, self.dtype, self.device, self.attn_backend, args.context_length, tp=self.tp,
             quantization=self.quantization, max_quant_tokens=args.quantized_max_tokens)
+        self.lora = self._load_lora() if args.enable_lora else None
         # every rank must hold the same number of KV slots: the schedulers make the same decisions
         self.max_total_tokens = int(self.tp.all_gather_ints([self._pool_size()]).min())
         cfg = self.model_config
@@ -92,6 +93,11 @@ class ModelRunner:
         self.compiled = self._compile_decode() if args.enable_torch_compile else None
         logger.info("model %s: %s on %s, quantization %s, KV pool %d tokens%s", args.model_path, self.dtype,
                     self.device, self.quantization, self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
+
+    def _load_lora(self):
+        from tidal.model.lora import LoRAManager
+
+        return LoRAManager.from_args(self.args, self.model, self.dtype, self.device)
 
     def _compile_decode(self) -> CompiledDecode:
         compiled = CompiledDecode(self.model, self.args.torch_compile_max_bs,
@@ -125,6 +131,9 @@ class ModelRunner:
         """Runs the pass (storing the new tokens' KV) and returns float32 logits [N, V] of rows logit_rows of T."""
         with torch.inference_mode():
             self.attn_backend.init_forward_metadata(fb)
+            if self.lora is not None:
+                self.lora.begin(None if fb.lora_names is None else
+                                self.lora.prepare(fb.lora_names, fb.extend_seq_lens_cpu))
             if self.compiled is not None and self.compiled.takes(fb):
                 return self.compiled(fb)[logit_rows]
             hidden = self.model(fb)  # [T, hidden]

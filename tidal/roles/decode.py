@@ -117,7 +117,8 @@ class DecodeRole:
         self.s.priority.order(self.transfer_queue)  # running slots go to the higher priority first
         polls = poll_and_all_reduce([r.pd.peer for r in self.transfer_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.transfer_queue, polls):
-            if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests:
+            if poll == KVPoll.Success and len(self.s.running) < self.s.max_running_requests \
+                    and self.s.lora.fits(req, self.s.running):
                 self._start_decoding(req)
             elif poll == KVPoll.Failed:
                 self._free_metadata(req)

@@ -154,7 +154,9 @@ class BatchPlanner:
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
         s = self.s
         tree_cache = s.mem.tree_cache
-        admit_waiting(adder, s.waiting_queue, running_bs, s.max_running_requests,
+        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
+        waiting = s.lora.admissible(s.waiting_queue, running_and_chunked)
+        admit_waiting(adder, waiting, running_bs, s.max_running_requests,
                       s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache))
 
     def prefill_or_decode(self) -> Optional[ScheduleBatch]:

@@ -78,7 +78,7 @@ def match_prefix_for(req: Req, tree_cache: Any) -> None:
     """Set req.prefix_indices / last_node from the cache (before the request holds a lock)."""
     req.fill_ids = req.all_ids
     key = req.fill_ids[: req.prefix_match_limit()]
-    result = tree_cache.match_prefix(key)
+    result = tree_cache.match_prefix(key, req.lora_name)
     req.prefix_indices = result.device_indices
     req.last_node = result.last_node
     req.extend_input_len = len(req.fill_ids) - len(req.prefix_indices)

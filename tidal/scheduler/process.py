@@ -208,6 +208,8 @@ def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerR
         cpu_affinity=list(cpu_affinity or []),
         pooling=sched.embedder.pooling.describe() if sched.embedder is not None else "",
         hidden_size=runner.model_config.hidden_size,
+        lora_enabled=getattr(runner, "lora", None) is not None,
+        lora_adapters=runner.lora.paths() if getattr(runner, "lora", None) is not None else {},
     )
 
 

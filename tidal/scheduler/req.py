@@ -35,6 +35,7 @@ class Req:
         self.bootstrap_host = msg.bootstrap_host
         self.bootstrap_port = msg.bootstrap_port
         self.bootstrap_room = msg.bootstrap_room
+        self.lora_name: Optional[str] = msg.lora_name  # its KV is cached under this adapter only
         self.pd: Any = None  # PDState while a prefill/decode role transfers this request's KV
         # llguidance matcher of a constrained request: it has consumed every output token so far
         # (advanced in the thread that samples; see tidal/constrained/masks.py)

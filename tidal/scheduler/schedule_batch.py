@@ -85,7 +85,14 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         extend_prefix_lens_cpu=prefix_lens,
         extend_seq_lens_cpu=[s - p for p, s in zip(prefix_lens, seq_lens)],
     )
+    fb.lora_names = lora_names(reqs)
     return ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.cat(rows))
+
+
+def lora_names(reqs: list[Req]) -> Optional[list[Optional[str]]]:
+    """Each request's adapter for the forward pass; None when none has one (the base-only pass)."""
+    names = [r.lora_name for r in reqs]
+    return names if any(n is not None for n in names) else None
 
 
 def _first_logit_pos(r: Req, prefix_len: int, seq_len: int) -> int:
@@ -126,5 +133,6 @@ def build_decode_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         extend_prefix_lens_cpu=kv_lens,
         extend_seq_lens_cpu=[1] * b,
     )
+    fb.lora_names = lora_names(reqs)
     spans = [RowSpan(first=i, count=1, first_pos=n) for i, n in enumerate(kv_lens)]
     return ScheduleBatch(reqs, ForwardMode.DECODE, spans, fb, torch.arange(b, dtype=torch.int64))

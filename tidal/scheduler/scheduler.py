@@ -18,6 +18,7 @@ from tidal.messages import (
     FlushCacheReq,
     FlushCacheResp,
     GenerateReq,
+    LoadLoRAReq,
     ModeStatusReq,
     PrepareModeReq,
     ReqOutput,
@@ -26,12 +27,14 @@ from tidal.messages import (
     SwitchModeReq,
     ToApi,
     ToScheduler,
+    UnloadLoRAReq,
 )
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.model.pooling import resolve_pooling
 from tidal.scheduler.batching import BatchPlanner
 from tidal.scheduler.embedding import NOT_EMBEDDING_SERVER, Embedder
+from tidal.scheduler.lora import LoRAScheduling
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
 from tidal.scheduler.priority import PriorityRules
@@ -78,6 +81,7 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running: list[Req] = []
         self.priority = PriorityRules(args)
+        self.lora = LoRAScheduling(self)
         self.planner = BatchPlanner(self)
         self.stats = SchedulerStats()
         self.timing = StepTiming()
@@ -103,7 +107,7 @@ class Scheduler:
             # requests compiling their grammar join the current role's queues and move with them
             self.grammars.wait_all(min(msg.timeout_s if isinstance(msg, SwitchModeReq) else 5.0, 5.0))
             self.admit_compiled()
-        if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq)):
+        if isinstance(msg, (FlushCacheReq, SwitchModeReq, PrepareModeReq, LoadLoRAReq, UnloadLoRAReq)):
             self.drain()  # these look for an idle scheduler: no pass may be left in flight
         if isinstance(msg, GenerateReq):
             self.add_request(msg)
@@ -123,6 +127,10 @@ class Scheduler:
             self.replies.append(self.controller.on_prepare(msg))
         elif isinstance(msg, ModeStatusReq):
             self.replies.append(self.controller.status(msg.call_id))
+        elif isinstance(msg, LoadLoRAReq):
+            self.replies.append(self.lora.load(msg))
+        elif isinstance(msg, UnloadLoRAReq):
+            self.replies.append(self.lora.unload(msg))
 
     def add_request(self, msg: GenerateReq) -> None:
         req = Req(msg)
@@ -135,6 +143,7 @@ class Scheduler:
             req.finish(FinishReason(type="abort", message=message, status_code=code))
             self.outbox.append(req.take_output(final=True))
             return
+        self.lora.on_accepted(req)
         if req.is_embedding:
             self.waiting_queue.append(req)  # computed here in every role: a prefill, no KV transfer
             return
@@ -196,6 +205,9 @@ class Scheduler:
                 f"The input ({n} tokens) is longer than the maximum allowed "
                 f"({self.max_req_input_len} tokens, context length {self.context_length})."
             )
+        lora_error = self.lora.check(req.lora_name)
+        if lora_error:
+            return lora_error
         vocab = self.runner.model_config.vocab_size
         if min(req.origin_input_ids) < 0 or max(req.origin_input_ids) >= vocab:
             return f"Input token ids must be in [0, {vocab})."
@@ -441,6 +453,9 @@ class Scheduler:
 
     def take_outbox(self) -> list[ReqOutput]:
         out, self.outbox = self.outbox, []
+        for o in out:
+            if o.finish_reason is not None:
+                self.lora.on_finished(o.rid)
         return out
 
     def take_replies(self) -> list[ToApi]:

@@ -30,6 +30,7 @@ from tidal.server import openai_api
 from tidal.server.admin import add_admin_api
 from tidal.server.embeddings import add_embedding_routes, refuse_generation
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
+from tidal.server.lora_api import adapter_cards, add_lora_routes, lora_for_model
 from tidal.server.limits import BodySizeLimitMiddleware, check_n, check_prompt_count
 from tidal.server.metrics import CONTENT_TYPE, Metrics
 from tidal.server.protocol import (
@@ -103,6 +104,7 @@ def create_app(ctx: ServerContext) -> FastAPI:
     add_embedding_routes(app)
     _add_info_routes(app)
     _add_admin_routes(app)
+    add_lora_routes(app)
     add_admin_api(app)
     return app
 
@@ -161,7 +163,8 @@ async def _generate_reqs(tm: TokenizerManager, body: GenerateRequest) -> tuple[l
                 bootstrap=(_pick(body.bootstrap_host, i, "bootstrap_host", count),
                            _pick(body.bootstrap_port, i, "bootstrap_port", count),
                            _pick(body.bootstrap_room, i, "bootstrap_room", count)),
-                priority=_pick(body.priority, i, "priority", count)))
+                priority=_pick(body.priority, i, "priority", count),
+                lora_name=_pick(body.lora_path, i, "lora_path", count)))
     return reqs, batched, group
 
 
@@ -215,14 +218,18 @@ def _add_native_routes(app: FastAPI) -> None:
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
-        return JSONResp(_reveal({"object": "list", "data": [_model_card(_ctx(request))]}, request))
+        ctx = _ctx(request)
+        base = _model_card(ctx)
+        return JSONResp(_reveal({"object": "list", "data": [base, *adapter_cards(ctx.tm, base)]}, request))
 
     @app.get("/v1/models/{model_id:path}")
     async def model(request: Request, model_id: str) -> Response:
         ctx = _ctx(request)
+        base = _model_card(ctx)
         if model_id != ctx.args.model_name:
-            raise ApiError(f"The model `{model_id}` does not exist; this server serves `{ctx.args.model_name}`.", 404)
-        return JSONResp(_reveal(_model_card(ctx), request))
+            lora_for_model(ctx.tm, model_id, ctx.args.model_name)  # 404 unless an adapter
+            return JSONResp(_reveal(next(c for c in adapter_cards(ctx.tm, base) if c["id"] == model_id), request))
+        return JSONResp(_reveal(base, request))
 
     for path in ("/tokenize", "/v1/tokenize"):
         app.add_api_route(path, tokenize, methods=["POST"])
@@ -239,7 +246,7 @@ def _model_card(ctx: ServerContext) -> dict:
 async def tokenize(request: Request) -> Response:
     ctx = _ctx(request)
     body = parse_body(TokenizeRequest, await request.body())
-    openai_api.check_model(body.model, ctx.args.model_name)
+    lora_for_model(ctx.tm, body.model, ctx.args.model_name)
     texts = body.prompt if isinstance(body.prompt, list) else [body.prompt]
     check_prompt_count(len(texts), ctx.args.max_batch_size_per_request)
     ids = await ctx.tm.tokenize_all(texts, add_special_tokens=body.add_special_tokens)
@@ -251,7 +258,7 @@ async def tokenize(request: Request) -> Response:
 async def detokenize(request: Request) -> Response:
     ctx = _ctx(request)
     body = parse_body(DetokenizeRequest, await request.body())
-    openai_api.check_model(body.model, ctx.args.model_name)
+    lora_for_model(ctx.tm, body.model, ctx.args.model_name)
     batched = bool(body.tokens) and isinstance(body.tokens[0], list)
     seqs = body.tokens if batched else [body.tokens]
     check_prompt_count(len(seqs), ctx.args.max_batch_size_per_request)

@@ -26,7 +26,8 @@ from tidal.server.protocol import JSONResp, error_body
 
 PUBLIC_PATHS = frozenset({"/health", "/health_generate", "/metrics"})
 # the server's state-changing routes; everything else there reads or generates
-SERVER_ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pd_role_switch"})
+SERVER_ADMIN_PATHS = frozenset({"/flush_cache", "/abort_request", "/pd_role_switch", "/load_lora_adapter",
+                                "/unload_lora_adapter"})
 ADMIN_PREFIXES = ("/admin",)
 
 

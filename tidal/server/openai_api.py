@@ -13,6 +13,7 @@ from starlette.responses import Response
 
 from tidal.sampling_params import seed_for_copy
 from tidal.server.limits import check_n, check_prompt_count, check_top_logprobs
+from tidal.server.lora_api import lora_for_model
 from tidal.server.protocol import (
     SSE_DONE,
     ApiError,
@@ -107,7 +108,7 @@ def _finish(s: ReqState) -> tuple[Optional[str], Union[int, str, None]]:
 
 def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, max_tokens: Optional[int],
                 logprobs: bool, top_logprobs: int, prompt_logprobs: bool,
-                extra_sampling: Optional[dict] = None) -> list:
+                extra_sampling: Optional[dict] = None, lora: Optional[str] = None) -> list:
     if body.n < 1:
         raise ApiError(f"n must be >= 1, got {body.n}")
     check_n(body.n, tm.args.max_n)
@@ -124,7 +125,7 @@ def _build_reqs(tm: TokenizerManager, prompts: Sequence[list[int]], body: Any, m
             reqs.append(tm.make_req(ids, p, max_set=max_set, rid=rid, stream=body.stream, return_logprob=logprobs,
                                     logprob_start_len=0 if prompt_logprobs else -1, top_logprobs_num=top_logprobs,
                                     bootstrap=(body.bootstrap_host, body.bootstrap_port, body.bootstrap_room),
-                                    priority=body.priority))
+                                    priority=body.priority, lora_name=lora))
     return reqs
 
 
@@ -164,14 +165,14 @@ def _echo_texts(tm: TokenizerManager, prompts: list, n: int) -> list[str]:
 
 async def create_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(CompletionRequest, await request.body())
-    check_model(body.model, model_name)
+    lora = lora_for_model(tm, body.model, model_name)
     refuse_tools(body)
     _check_max_tokens(body.max_tokens, "max_tokens")
     ids, prompts = await _completion_prompts(tm, body.prompt)
     _check_fits_context(tm, ids, body.max_tokens)
     want_lp = body.logprobs is not None
-    reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo)
-    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", model_name, body.n, [],
+    reqs = _build_reqs(tm, ids, body, body.max_tokens, want_lp, body.logprobs or 0, want_lp and body.echo, lora=lora)
+    call = _Call("text_completion", f"cmpl-{uuid.uuid4().hex}", lora or model_name, body.n, [],
                  echo=_echo_texts(tm, prompts, body.n) if body.echo else [], logprobs=want_lp,
                  include_usage=bool(body.stream_options and body.stream_options.include_usage))
     apply_expected_mode(request, reqs)
@@ -286,7 +287,7 @@ async def chat_prompt_ids(tm: TokenizerManager, messages: Sequence[ChatMessage],
 
 async def create_chat_completion(request: Request, tm: TokenizerManager, model_name: str) -> Response:
     body = parse_body(ChatCompletionRequest, await request.body())
-    check_model(body.model, model_name)
+    lora = lora_for_model(tm, body.model, model_name)
     _check_max_tokens(body.max_tokens, "max_tokens")
     _check_max_tokens(body.max_completion_tokens, "max_completion_tokens")
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -298,13 +299,13 @@ async def create_chat_completion(request: Request, tm: TokenizerManager, model_n
     extra = tool_sampling(plan, get_parser(tm.args.tool_call_parser), body.skip_special_tokens)
     try:
         reqs = _build_reqs(tm, [ids], body, max_tokens, body.logprobs, body.top_logprobs or 0, False,
-                           extra_sampling=extra)
+                           extra_sampling=extra, lora=lora)
     except ApiError as e:
         if "json_schema" not in extra or e.status_code != 400 or "json_schema" not in e.message:
             raise
         raise ApiError(f"tool_choice {plan.choice!r} decodes under the tools' parameters schemas, which the "
                        f"grammar engine refuses: {e.message}") from None
-    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", model_name, body.n, [],
+    call = _Call("chat.completion", f"chatcmpl-{uuid.uuid4().hex}", lora or model_name, body.n, [],
                  logprobs=body.logprobs, include_usage=bool(body.stream_options and body.stream_options.include_usage),
                  tools=plan, tool_call_parser=tm.args.tool_call_parser)
     apply_expected_mode(request, reqs)

@@ -96,6 +96,17 @@ class GenerateRequest(_Body):
     bootstrap_port: Optional[Union[int, list[int]]] = None
     bootstrap_room: Optional[Union[int, list[int]]] = None
     priority: Optional[Union[int, list[int]]] = None  # --enable-priority-scheduling
+    # SGLang's per-request LoRA adapter: a loaded adapter's name (a list for batches; null: the base model)
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
+
+
+class LoadLoRARequest(_Body):
+    lora_name: str
+    lora_path: str
+
+
+class UnloadLoRARequest(_Body):
+    lora_name: str
 
 
 class AbortRequest(_Body):

@@ -27,6 +27,8 @@ from tidal.messages import (
     FinishReason,
     FlushCacheReq,
     FlushCacheResp,
+    LoadLoRAReq,
+    LoRAResp,
     GenerateReq,
     LoadSnapshot,
     ModeStatusReq,
@@ -35,6 +37,7 @@ from tidal.messages import (
     ReqOutput,
     SchedulerError,
     SchedulerReady,
+    UnloadLoRAReq,
     StatsReq,
     StatsResp,
     SwitchModeReq,
@@ -197,6 +200,7 @@ class TokenizerManager:
         self.metrics = metrics
         self._valid_grammars: set[tuple[str, str]] = set()
         self.ready: Optional[SchedulerReady] = None
+        self.lora_adapters: dict[str, str] = {}  # loaded LoRA adapters (name -> path), as the scheduler last said
         self.mode, self.epoch = args.disaggregation_mode, 0  # last known; the scheduler is authoritative
         self.dead_reason: Optional[str] = None
         self.output_timeout = float(args.watchdog_timeout)
@@ -214,6 +218,7 @@ class TokenizerManager:
     def start(self, push: zmq.Socket, pull: Any, ready: SchedulerReady) -> None:
         """`push` is a blocking zmq PUSH (sent with NOBLOCK), `pull` a zmq.asyncio PULL."""
         self._push, self.ready = push, ready
+        self.lora_adapters = dict(ready.lora_adapters)
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(pull))
 
     async def stop(self) -> None:
@@ -281,7 +286,7 @@ class TokenizerManager:
             self.last_output_at = now
             for out in msg.outputs:
                 self._on_output(out, now)
-        elif isinstance(msg, (FlushCacheResp, StatsResp, SwitchModeResp, ModeStatusResp)):
+        elif isinstance(msg, (FlushCacheResp, StatsResp, SwitchModeResp, ModeStatusResp, LoRAResp)):
             fut = self._rpcs.get(msg.call_id)
             if fut is not None and not fut.done():
                 fut.set_result(msg)
@@ -384,6 +389,7 @@ class TokenizerManager:
         logprob_start_len: int = -1, top_logprobs_num: int = 0,
         bootstrap: Optional[tuple[Optional[str], Optional[int], Optional[int]]] = None,
         priority: Optional[int] = None,
+        lora_name: Optional[str] = None,
     ) -> GenerateReq:
         """Validate one prompt and its parameters against the model limits (ApiError 400)."""
         self._check_alive()
@@ -409,11 +415,12 @@ class TokenizerManager:
         if not -1 <= logprob_start_len < n:
             raise ApiError(f"logprob_start_len must be in [-1, {n}), got {logprob_start_len}")
         self.check_priority(priority)
+        self.check_lora(lora_name)
         return GenerateReq(
             rid=rid or uuid.uuid4().hex, input_ids=list(input_ids), sampling=sampling, stream=stream,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len if return_logprob else -1,
             top_logprobs_num=top_logprobs_num if return_logprob else 0, arrival_time=time.time(),
-            priority=priority, **_bootstrap_fields(bootstrap))
+            priority=priority, lora_name=lora_name, **_bootstrap_fields(bootstrap))
 
     def check_priority(self, priority: Optional[int]) -> None:
         if priority is None:
@@ -433,6 +440,17 @@ class TokenizerManager:
         self.check_token_ids(input_ids, "input_ids")
         return GenerateReq(rid=rid or uuid.uuid4().hex, input_ids=list(input_ids),
                            sampling=SamplingParams(max_new_tokens=0), arrival_time=time.time(), embedding=True)
+
+    def check_lora(self, name: Optional[str]) -> None:
+        """400 for an adapter this server does not hold (the scheduler checks again: unloads race)."""
+        if name is None:
+            return
+        if not isinstance(name, str):
+            raise ApiError("lora_path must be a string: the name of a loaded LoRA adapter")
+        if not self.ready.lora_enabled:
+            raise ApiError("LoRA is not enabled on this server (start it with --enable-lora)")
+        if name not in self.lora_adapters:
+            raise ApiError(f"Unknown LoRA adapter {name!r}; loaded: {sorted(self.lora_adapters)}")
 
     def submit(
         self, reqs: Sequence[GenerateReq], group: Optional[str] = None, *,
@@ -548,6 +566,16 @@ class TokenizerManager:
 
     async def mode_status(self) -> ModeStatusResp:
         return await self._call(ModeStatusReq, RPC_TIMEOUT_S)
+
+    async def load_lora(self, name: str, path: str) -> LoRAResp:
+        resp = await self._call(LoadLoRAReq, 120.0, lora_name=name, lora_path=path)
+        self.lora_adapters = dict(resp.adapters)
+        return resp
+
+    async def unload_lora(self, name: str) -> LoRAResp:
+        resp = await self._call(UnloadLoRAReq, RPC_TIMEOUT_S, lora_name=name)
+        self.lora_adapters = dict(resp.adapters)
+        return resp
 
     async def flush_cache(self, timeout: float = RPC_TIMEOUT_S) -> FlushCacheResp:
         return await self._call(FlushCacheReq, timeout)
