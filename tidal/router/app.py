@@ -58,7 +58,8 @@ logger = logging.getLogger(__name__)
 GENERATE_ROUTES = ("/generate", "/v1/completions", "/v1/chat/completions")
 TOKENIZER_ROUTES = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize")
 EMBEDDING_ROUTES = ("/v1/embeddings", "/encode")
-ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch"})
+ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch",
+                         "/load_lora_adapter", "/unload_lora_adapter"})
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
 
 
@@ -378,13 +379,17 @@ def _post_forwarder(path: str) -> Any:
 # ---------------------------------------------------------------- admin
 
 
-async def _post_all(st: RouterState, path: str) -> list[dict]:
+async def _post_all(st: RouterState, path: str, body: Optional[bytes] = None) -> list[dict]:
+    """POST to every worker; per worker: status, success and (for an error) its message."""
     async def one(w: Worker) -> dict:
+        headers = {**st.worker_admin_headers(), **({"Content-Type": "application/json"} if body else {})}
         try:
-            async with st.session.post(w.url + path, timeout=st.checker.timeout,
-                                       headers=st.worker_admin_headers()) as r:
-                await r.read()
-                return {"url": w.url, "role": w.mode, "status": r.status, "success": r.status == 200}
+            async with st.session.post(w.url + path, data=body, timeout=st.checker.timeout, headers=headers) as r:
+                raw = await r.read()
+                out = {"url": w.url, "role": w.mode, "status": r.status, "success": r.status == 200}
+                if r.status != 200:
+                    out["error"] = raw.decode(errors="replace")[:500]
+                return out
         except (aiohttp.ClientError, TimeoutError) as e:
             return {"url": w.url, "role": w.mode, "status": None, "success": False, "error": str(e)}
 
@@ -443,6 +448,17 @@ def _add_admin_routes(app: FastAPI) -> None:
 
     for method in ("GET", "POST"):  # one route per method: distinct OpenAPI operation ids
         app.add_api_route("/flush_cache", flush_cache, methods=[method], name=f"flush_cache_{method.lower()}")
+
+    async def lora_on_every_worker(request: Request) -> Response:
+        """SGLang's /load_lora_adapter and /unload_lora_adapter on every worker (prefill and decode
+        servers must hold the same adapters): 200 when all succeeded, else the first failure's status."""
+        results = await _post_all(_st(request), request.url.path, await request.body())
+        failed = [r for r in results if not r["success"]]
+        status = 200 if not failed else (failed[0]["status"] or 502)
+        return _json({"success": not failed, "workers": results}, status)
+
+    for path in ("/load_lora_adapter", "/unload_lora_adapter"):
+        app.add_api_route(path, lora_on_every_worker, methods=["POST"], name=path.strip("/"))
 
     @app.get("/planner/status")
     async def planner_status(request: Request) -> Response:
