@@ -249,3 +249,26 @@ def test_scheduler_refuses_a_bad_grammar_and_aborts_queued_ones(tokenizer):
     assert outs["queued"].type == "abort"
     assert not sched.grammars.waiting
     sched.check_integrity()
+
+
+def test_tensor_parallel_ranks_agree_on_the_grammar_queue_and_tokens(tokenizer):
+    """Each rank compiles on its own thread; the ranks must still admit every request at the same
+    iteration and draw the same constrained tokens (test_tp_scheduler.run asserts it per step)."""
+    from test_tp_scheduler import run as run_tp
+    from tp_ranks import RankGroup
+
+    args = ServerArgs(model_path="fake", tp_size=2, chunked_prefill_size=16)
+
+    def make_rank(comm):
+        runner = WideFakeRunner(max_total_tokens=4096)
+        runner.tp = comm
+        return Scheduler(args, runner, tokenizer=tokenizer)
+
+    group = RankGroup(2, make_rank)
+    try:
+        for r in constrained_reqs(temperature=0.9, prompt_len=30):
+            group.handle(r)
+        (out,) = run_tp([group], timeout=120)
+        check_outputs(tokenizer, {rid: (toks, fin.type) for rid, (toks, fin) in out.items()})
+    finally:
+        group.close()
