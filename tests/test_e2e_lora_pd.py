@@ -67,15 +67,15 @@ def test_1p1d_cluster_serves_adapters_like_null(lora_adapters, reference):
         assert decode_load["num_reqs"] == 0
         # the router loads and unloads an adapter on every worker (prefill and decode alike)
         loaded = httpx.post(router.url + "/load_lora_adapter", timeout=120,
-                            json={"lora_name": "all16", "lora_path": lora_adapters["all16"]})
+                            json={"lora_name": "mlp4-again", "lora_path": lora_adapters["mlp4"]})
         assert loaded.status_code == 200, loaded.text
         assert sorted(w["role"] for w in loaded.json()["workers"]) == ["decode", "prefill"]
-        assert gen(router.url, CASES[0][0], "all16") != reference[0]
-        again = httpx.post(router.url + "/unload_lora_adapter", json={"lora_name": "all16"}, timeout=120)
+        assert gen(router.url, CASES[2][0], "mlp4-again") == reference[2]  # the same adapter, loaded at runtime
+        again = httpx.post(router.url + "/unload_lora_adapter", json={"lora_name": "mlp4-again"}, timeout=120)
         assert again.status_code == 200, again.text
-        gone = httpx.post(router.url + "/generate", json={"text": "hi", "lora_path": "all16"}, timeout=60)
+        gone = httpx.post(router.url + "/generate", json={"text": "hi", "lora_path": "mlp4-again"}, timeout=60)
         assert gone.status_code == 400
-        twice = httpx.post(router.url + "/unload_lora_adapter", json={"lora_name": "all16"}, timeout=120)
+        twice = httpx.post(router.url + "/unload_lora_adapter", json={"lora_name": "mlp4-again"}, timeout=120)
         assert twice.status_code == 400 and not twice.json()["success"]
     finally:
         router.stop()
