@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from fakes import FakeModelRunner
+from test_overlap import run
 from tidal.config import ServerArgs, default_model_path
 from tidal.constrained.grammar import GrammarError, to_llguidance
 from tidal.messages import AbortReq, GenerateReq
@@ -144,28 +145,6 @@ def make(tokenizer, overlap: bool = True, runner=None, **kw) -> Scheduler:
     args = ServerArgs(model_path="fake", disable_overlap_schedule=not overlap, **kw)
     runner = runner or WideFakeRunner(max_total_tokens=4096, page_size=args.page_size)
     return Scheduler(args, runner, tokenizer=tokenizer)
-
-
-def run(sched: Scheduler, reqs: list[GenerateReq]) -> dict:
-    """Serve reqs to the end (integrity checked every step): rid -> (tokens, finish type)."""
-    for r in reqs:
-        sched.handle(r)
-    tokens: dict[str, list[int]] = {}
-    finish: dict[str, str] = {}
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        did = sched.step()
-        sched.check_integrity()
-        for o in sched.take_outbox():
-            tokens.setdefault(o.rid, []).extend(o.new_token_ids)
-            if o.finish_reason is not None:
-                assert o.rid not in finish, "two final outputs"
-                finish[o.rid] = o.finish_reason.type
-        if not did:
-            if sched.is_idle():
-                return {rid: (tokens.get(rid, []), finish[rid]) for rid in finish}
-            time.sleep(0.002)  # a grammar is compiling on its own thread
-    raise AssertionError("scheduler did not finish")
 
 
 def constrained_reqs(n_plain: int = 3, temperature: float = 0.0, prompt_len: int = 12) -> list[GenerateReq]:

@@ -130,10 +130,7 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Runs the pass (storing the new tokens' KV) and returns float32 logits [N, V] of rows logit_rows of T."""
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(fb)
-            if self.lora is not None:
-                self.lora.begin(None if fb.lora_names is None else
-                                self.lora.prepare(fb.lora_names, fb.extend_seq_lens_cpu))
+            self._prepare(fb)
             if self.compiled is not None and self.compiled.takes(fb):
                 return self.compiled(fb)[logit_rows]
             hidden = self.model(fb)  # [T, hidden]
@@ -142,6 +139,12 @@ class ModelRunner:
     def forward_with_hidden(self, fb: ForwardBatch, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, eager, also returning every row's hidden state [T, hidden] (the final norm's output)."""
         with torch.inference_mode():
-            self.attn_backend.init_forward_metadata(fb)
+            self._prepare(fb)
             hidden = self.model(fb)
             return self.model.compute_logits(hidden[logit_rows]), hidden
+
+    def _prepare(self, fb: ForwardBatch) -> None:
+        """Attention metadata and the pass's LoRA adapters (none: the base model)."""
+        self.attn_backend.init_forward_metadata(fb)
+        if self.lora is not None:
+            self.lora.begin(None if fb.lora_names is None else self.lora.prepare(fb.lora_names, fb.extend_seq_lens_cpu))

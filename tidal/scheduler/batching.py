@@ -80,15 +80,18 @@ class BatchPlanner:
         running_bs = len(s.running)
         if running_bs >= s.max_running_requests and self.chunked_req is None:
             return None
-        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
         adder = PrefillAdder(
-            mem.tree_cache, mem.allocator, running_and_chunked, self.new_token_ratio,
+            mem.tree_cache, mem.allocator, self._running_and_chunked(), self.new_token_ratio,
             s.args.max_prefill_tokens, self.chunk_size, mem.page_size,
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
         self._admit_waiting(adder, running_bs)
         return adder
+
+    def _running_and_chunked(self) -> list[Req]:
+        """The requests every new batch sits beside: the running batch and a chunked prefill."""
+        return self.s.running + ([self.chunked_req] if self.chunked_req else [])
 
     # ------------------------------------------------------------------ priority preemption
 
@@ -154,8 +157,7 @@ class BatchPlanner:
     def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
         s = self.s
         tree_cache = s.mem.tree_cache
-        running_and_chunked = s.running + ([self.chunked_req] if self.chunked_req else [])
-        waiting = s.lora.admissible(s.waiting_queue, running_and_chunked)
+        waiting = s.lora.admissible(s.waiting_queue, self._running_and_chunked())
         admit_waiting(adder, waiting, running_bs, s.max_running_requests,
                       s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache))
 
@@ -231,22 +233,22 @@ class BatchPlanner:
         logits, out = result
         next_ids = out.next_token_ids.tolist()
         for i, (req, span) in enumerate(zip(batch.reqs, batch.spans)):
-            if req.is_embedding:
-                s.embedder.on_extended(req)
-                continue
             if req.wants_input_logprobs and not req.first_prefill_done:
                 self._add_input_logprobs(req, span, logits)
             if req.kv_len < len(req.all_ids):  # an unfinished chunked prefill
                 s.mem.cache_unfinished(req)
                 if req.to_abort:
                     self._finish_abort_chunked(req)
-                elif on_chunk is not None:
+                elif on_chunk is not None and not req.is_embedding:  # an embedding's KV goes nowhere
                     on_chunk(req)
                 continue
             req.is_chunked = 0
             if not req.first_prefill_done:
                 req.first_prefill_done = True
                 s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
+            if req.is_embedding:
+                s.embedder.finish(req)
+                continue
             if not finish_if_prompt_only(req):
                 self.append_token(req, next_ids[i], out, i)
             (on_prefilled or self.start_decoding)(req)

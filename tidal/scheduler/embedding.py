@@ -45,22 +45,14 @@ class Embedder:
                 req.pool_state.add(hidden[offset : offset + n], prefix)
             offset += n
 
-    def on_extended(self, req: Req) -> None:
-        """After a pass: keep a chunked prompt's KV for its next chunk, or finish and free."""
-        s = self.s
-        if req.kv_len < len(req.all_ids):  # an unfinished chunked prefill
-            s.mem.cache_unfinished(req)
-            if req.to_abort:
-                s.planner._finish_abort_chunked(req)
-            return
-        req.is_chunked = 0
-        req.first_prefill_done = True
-        s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
+    def finish(self, req: Req) -> None:
+        """After its last chunk (the planner handled the earlier ones): finish with the pooled
+        embedding, or the abort asked for, and free everything at once."""
         if req.to_abort:
             req.finish(FinishReason(type="abort", message=req.to_abort))
         else:
             req.embedding = req.pool_state.result(self.pooling.normalize)
             req.finish(FinishReason(type="length", length=0))
         req.pool_state = None
-        s.mem.release(req)
-        s.emit(req)
+        self.s.mem.release(req)
+        self.s.emit(req)

@@ -140,8 +140,7 @@ class Scheduler:
             refusal = self._make_queue_room(req)
         if error or refusal:
             message, code = (error, 400) if error else refusal
-            req.finish(FinishReason(type="abort", message=message, status_code=code))
-            self.outbox.append(req.take_output(final=True))
+            self._end_unrun(req, message, code)
             return
         self.lora.on_accepted(req)
         if req.is_embedding:
@@ -156,8 +155,7 @@ class Scheduler:
         """Requests whose grammar compiled go to the role; those whose grammar failed end (400)."""
         for req, error in self.grammars.take_ready():
             if error is not None:
-                req.finish(FinishReason(type="abort", message=error, status_code=400))
-                self.outbox.append(req.take_output(final=True))
+                self._end_unrun(req, error, 400)
             else:
                 self.role.accept(req)
 
@@ -171,6 +169,11 @@ class Scheduler:
         if msg.expected_epoch is not None and msg.expected_epoch != epoch:
             return f"the server is at epoch {epoch} ({mode} mode), not {msg.expected_epoch}", 409
         return None
+
+    def _end_unrun(self, req: Req, message: str, status_code: Optional[int] = None) -> None:
+        """End a request that holds nothing (refused, or dropped from a queue) with an abort."""
+        req.finish(FinishReason(type="abort", message=message, status_code=status_code))
+        self.outbox.append(req.take_output(final=True))
 
     def num_queued(self) -> int:
         """Requests waiting for admission: the grammar queue, the waiting queue and the role's own queues."""
@@ -188,10 +191,8 @@ class Scheduler:
             return f"The waiting queue is full ({limit} requests, --max-queued-requests); retry later.", 503
         self.waiting_queue.remove(victim)
         self.role.on_dequeued_abort(victim)
-        victim.finish(FinishReason(type="abort", status_code=503, message=(
-            f"The waiting queue is full ({limit} requests, --max-queued-requests) and a request of higher "
-            f"priority took this one's place; retry later.")))
-        self.outbox.append(victim.take_output(final=True))
+        self._end_unrun(victim, f"The waiting queue is full ({limit} requests, --max-queued-requests) and a "
+                                f"request of higher priority took this one's place; retry later.", 503)
         return None
 
     def _validate(self, req: Req) -> Optional[str]:
@@ -227,12 +228,10 @@ class Scheduler:
         for r in [r for r in self.waiting_queue if match(r)]:
             self.waiting_queue.remove(r)
             self.role.on_dequeued_abort(r)
-            r.finish(FinishReason(type="abort", message="Request aborted."))
-            self.outbox.append(r.take_output(final=True))
+            self._end_unrun(r, "Request aborted.")
         for r in [w.req for w in self.grammars.waiting if match(w.req)]:
             self.grammars.drop(r)
-            r.finish(FinishReason(type="abort", message="Request aborted."))
-            self.outbox.append(r.take_output(final=True))
+            self._end_unrun(r, "Request aborted.")
         for r in self.live_reqs():
             if match(r):
                 r.to_abort = "Request aborted."
