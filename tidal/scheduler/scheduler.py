@@ -173,7 +173,7 @@ class Scheduler:
     def _end_unrun(self, req: Req, message: str, status_code: Optional[int] = None) -> None:
         """End a request that holds nothing (refused, or dropped from a queue) with an abort."""
         req.finish(FinishReason(type="abort", message=message, status_code=status_code))
-        self.outbox.append(req.take_output(final=True))
+        self.emit(req)
 
     def num_queued(self) -> int:
         """Requests waiting for admission: the grammar queue, the waiting queue and the role's own queues."""
