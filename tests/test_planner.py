@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 
+import msgspec
+
 import pytest
 
 from tidal.planner.decide import PlannerState, decide, pool_counts
@@ -410,6 +412,32 @@ def test_in_a_large_cluster_the_planner_heads_for_the_best_layout_not_the_best_s
     assert there.kind == "hold", there.reason
 
 
+def test_moves_toward_a_committed_target_go_on_below_the_hysteresis():
+    """Once a target has passed the hysteresis, the next moves toward it do not have to pass it again:
+    one worker short of the target the remaining gain is small, and a planner re-testing it would stop
+    there. A planner that has not committed (fresh state) holds at that same layout."""
+    traffic = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20)
+    c, state = cfg(max_concurrent_moves=1), PlannerState()
+    loads = layout(32, 32, 0)
+    d = decide(NOW, c, state, loads, traffic, COST)
+    assert d.kind == "move" and "(committed)" not in d.reason
+    target = d.target.pools
+    p, dd = 32, 32
+    for step in range(64):  # land every move, one at a time, until the target is reached
+        if d.kind != "move":
+            break
+        state.started(NOW + step, d.url, d.src, d.dst)
+        p, dd = p + (d.dst == PREFILL) - (d.src == PREFILL), dd + (d.dst == DECODE) - (d.src == DECODE)
+        state.finished(NOW + step, d.url, True, c)
+        d = decide(NOW + step + 0.5, cfg(max_concurrent_moves=1, cooldown_s=0, worker_cooldown_s=0), state,
+                   layout(p, dd, 0), traffic, COST)
+    assert {PREFILL: p, DECODE: dd} == {PREFILL: target[PREFILL], DECODE: target[DECODE]}
+    assert d.kind == "hold" and state.committed is None
+    # one move short of the target, a fresh planner finds the last move's gain below the hysteresis
+    short = decide(NOW, c, PlannerState(), layout(p - 1, dd + 1, 0), traffic, COST)
+    assert short.kind == "hold" and "hysteresis" in short.reason, short.reason
+
+
 def test_the_target_search_finds_the_best_layout_of_the_full_grid():
     """Beyond GRID_FULL workers the coarse grid refined around its best finds the same best score as
     predicting every layout."""
@@ -452,3 +480,82 @@ def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():
     a = decide(NOW, cfg(), PlannerState(), waiting_for_kv, traffic, COST).current.paths["pd"]
     b = decide(NOW, cfg(), PlannerState(), unknown, traffic, COST).current.paths["pd"]
     assert a.tpot_s < COST.decode_step_seconds(8, 8 * 350) < b.tpot_s
+
+
+# ---------------------------------------------------------------- bursts: the prefill queues' peak rate
+
+
+def feed_phase(w: TrafficWindow, start: float, end: float, prompt: int, answer: int, bursty: bool) -> None:
+    """One arrival and one completion per second; when bursty, the arrivals come 20 at once every 20 s."""
+    t = start
+    while t < end:
+        w.arrival(start + (t - start) // 20 * 20 if bursty else t)
+        w.completion(t, Observation(path="pd", prompt_tokens=prompt, completion_tokens=answer))
+        t += 1.0
+
+
+def test_peak_ratio_is_the_rate_most_arrivals_meet_within_a_span_over_the_mean():
+    from tidal.planner.window import peak_ratio
+
+    even = [i * 0.5 for i in range(600)]
+    assert peak_ratio(even, 8.0) == pytest.approx(1.0, abs=0.02)
+    bursts = [(i // 20) * 20.0 + (i % 20) * 0.01 for i in range(600)]  # 20 at once every 20 s: 1/s on average
+    # every arrival meets its burst's 20 within an 8-s span: 2.5/s, 2.5x the mean
+    assert peak_ratio(bursts, 8.0) == pytest.approx(2.5, rel=0.05)
+    assert peak_ratio(bursts, None) == 1.0 and peak_ratio(bursts[:5], 8.0) == 1.0
+    assert peak_ratio([0.0, 1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0], 8.0) == 1.0  # under two spans
+
+
+def test_a_new_mix_starts_a_new_burst_history():
+    """Bursts of a code-like phase (long prompts, short answers) are forgotten once the window's answers
+    are many times longer; the same lengths throughout never count as a shift."""
+    w = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(w, 0.0, 200.0, 1000, 5, bursty=True)
+    assert w.traffic(200.0).prefill_peak_ratio > 2 and w.mix_shifts == 0
+    feed_phase(w, 200.0, 240.0, 250, 60, bursty=False)
+    w.traffic(240.0)
+    assert w.mix_shifts == 1
+    feed_phase(w, 240.0, 300.0, 250, 60, bursty=False)
+    assert w.traffic(300.0).prefill_peak_ratio == pytest.approx(1.0, abs=0.2)
+    same = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(same, 0.0, 300.0, 1000, 5, bursty=True)
+    for now in range(40, 300, 5):
+        same.traffic(float(now))
+    assert same.mix_shifts == 0 and same.traffic(299.0).prefill_peak_ratio > 2
+
+
+def test_bursts_load_the_prefill_queues_not_the_decode_steps():
+    from tidal.planner.predict import CostPredictor, PoolLoad
+
+    """PD decode workers are predicted at the mean rate; a null worker's decodes see the burst's prefills
+    when its answers are short (5 tokens: 1 s at the TPOT SLO, within the 8-s span), hardly when long."""
+    pred = CostPredictor(COST, 8.0, 0.2, 5.0)
+    load = PoolLoad(layout(2, 2, 1))
+    pools = {PREFILL: 2, DECODE: 2, NULL: 1}
+    for answer, null_tpot_grows in ((5, 1.3), (2000, 1.01)):
+        even = Traffic(arrival_rate=1.0, mean_input_tokens=500, mean_output_tokens=answer)
+        bursty = msgspec.structs.replace(even, prefill_peak_ratio=3.0)
+        a, b = pred.predict(pools, load, even), pred.predict(pools, load, bursty)
+        assert b.paths["pd"].ttft_s > a.paths["pd"].ttft_s and b.paths["pd"].tpot_s == a.paths["pd"].tpot_s
+        assert b.paths["null"].ttft_s > a.paths["null"].ttft_s
+        grows = b.paths["null"].tpot_s / a.paths["null"].tpot_s
+        assert grows > null_tpot_grows if answer == 5 else grows < null_tpot_grows
+
+
+def test_on_bursty_long_prompts_more_prefill_workers_rank_higher():
+    """The code-trace shape: long prompts, answers of a few tokens, arrivals in bursts. At the burst's rate
+    each extra prefill worker adds capacity down to a single decode worker, and every layout takes a smaller
+    multiple of the mean rate than if the arrivals were even."""
+    from tidal.planner.decide import capacity, make_predictor
+    from tidal.planner.predict import PoolLoad
+
+    even = Traffic(arrival_rate=1.0, mean_input_tokens=1000, mean_output_tokens=4, input_tokens_deciles=[1000] * 10)
+    bursty = msgspec.structs.replace(even, prefill_peak_ratio=6.0)
+    predictor = make_predictor(cfg(ttft_slo_s=8.0, tpot_slo_s=0.2), COST, {})
+    load = PoolLoad(layout(8, 8, 0))
+
+    def caps(traffic: Traffic) -> list:
+        return [capacity(predictor, {PREFILL: p, DECODE: 16 - p, NULL: 0}, load, traffic) for p in (12, 13, 14, 15)]
+
+    assert caps(bursty) == sorted(caps(bursty)) and caps(bursty)[0] < caps(bursty)[-1]
+    assert all(b < e for b, e in zip(caps(bursty), caps(even)))

@@ -8,7 +8,8 @@ refined around its best one beyond), picks the best as its target (among near-ti
 moves away) and, when the target's capacity beats the layout the cluster is heading for by the
 hysteresis (relative), starts one move toward it: the legal single move whose layout predicts
 best, ties to the worker with least to drain. The next intervals continue toward the target
-while it stands, one more move each, up to `max_concurrent_moves` at once. Aiming at capacity
+while it stays the best layout (`PlannerState.committed`: without the hysteresis again, which
+would stop the walk short where the remaining gain is smaller), up to `max_concurrent_moves` at once. Aiming at capacity
 rather than at today's latency keeps headroom for bursts and makes the target depend on the
 mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
 small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score.
@@ -75,6 +76,8 @@ class PlannerState:
         self.in_flight: dict[str, tuple[str, str]] = {}  # url -> (source mode, target mode)
         self.flows: dict[tuple[str, str], Flow] = {}
         self.workers: dict[str, WorkerMemory] = {}
+        # the layout the last move headed for: passing the hysteresis once commits the moves toward it
+        self.committed: Optional[tuple[int, int, int]] = None
 
     def memory(self, url: str) -> WorkerMemory:
         return self.workers.setdefault(url, WorkerMemory())
@@ -358,7 +361,12 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool, current)
     if target is None:
         return _hold(now, "no allowed layout", current, cands)
+    key = (target.pools[PREFILL], target.pools[DECODE], target.pools[NULL])
+    if key == (heading[PREFILL], heading[DECODE], heading[NULL]):
+        state.committed = None
     pays, what = gain_enough(current, target, cfg.hysteresis)
+    if state.committed == key and not pays:
+        pays, what = True, f"{what} (committed)"
     why = f"{what} at {_brief(target.pools)}"
     if not pays:
         return _hold(now, f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
@@ -372,6 +380,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
                           and heading[c.dst] < target.pools[c.dst]})
         return _hold(now, f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
                      current, cands, target=target)
+    state.committed = key
     return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current, best=best,
                     candidates=cands, target=target,
                     reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "

@@ -12,7 +12,8 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-worker-cooldown-s", "planner_worker_cooldown_s"),
                ("--planner-min-per-pool", "planner_min_per_pool"),
                ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
-               ("--planner-window-s", "planner_window_s"), ("--planner-hysteresis", "planner_hysteresis"),
+               ("--planner-window-s", "planner_window_s"),
+               ("--planner-burst-window-s", "planner_burst_window_s"), ("--planner-hysteresis", "planner_hysteresis"),
                ("--planner-profile", "planner_profile"))
 
 
@@ -40,6 +41,10 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                    help=f"moves in flight at once (default: {d.max_concurrent_moves})")
     g.add_argument("--planner-window-s", type=float, default=d.window_s,
                    help=f"the sliding window of observed arrivals and latencies, seconds (default: {d.window_s:g})")
+    g.add_argument("--planner-burst-window-s", type=float, default=d.burst_window_s,
+                   help=f"how far back the arrivals' bursts are remembered (the prefill queues are predicted at "
+                        f"the rate 90%% of prompts meet within a TTFT SLO), seconds; a shift of the mix of "
+                        f"prompt and answer lengths starts the history again (default: {d.burst_window_s:g})")
     g.add_argument("--planner-hysteresis", type=float, default=d.hysteresis,
                    help=f"the best layout must raise the predicted capacity (the arrival-rate multiple at which "
                         f"both SLOs hold) by this fraction before the planner heads for it "
@@ -54,7 +59,7 @@ def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
                          interval_s=ns.planner_interval_s, cooldown_s=ns.planner_cooldown_s,
                          worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
                          max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s,
-                         hysteresis=ns.planner_hysteresis)
+                         burst_window_s=ns.planner_burst_window_s, hysteresis=ns.planner_hysteresis)
 
 
 def planner_argv(ns: argparse.Namespace) -> list[str]:

@@ -63,7 +63,7 @@ class PlannerLoop:
         self.profile_path = profile_path
         self.clock = clock
         self.state = PlannerState()
-        self.window = TrafficWindow(cfg.window_s, clock())
+        self.window = TrafficWindow(cfg.window_s, clock(), cfg.burst_window_s, cfg.ttft_slo_s)
         self.decisions: collections.deque[Decision] = collections.deque(maxlen=DECISIONS_KEPT)
         self.last: Optional[Decision] = None
         self.last_loads: list[WorkerLoad] = []

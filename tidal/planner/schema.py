@@ -36,6 +36,10 @@ class Traffic(msgspec.Struct, kw_only=True):
     # length, so a heavy-tailed mix costs more than its mean prompt; empty: unknown
     input_tokens_deciles: list[int] = []
     mean_output_tokens: float = 0.0
+    # the arrival rate that prompts meet, over the mean: the 90th percentile, over the arrivals of the burst
+    # history, of the rate in the TTFT-SLO-long span around each, divided by the history's mean rate (>= 1).
+    # Prompts of a burst queue for prefill together; an answer's decode averages over its many steps
+    prefill_peak_ratio: float = 1.0
     completed: int = 0
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
     ttft_s: dict[str, float] = {}
@@ -95,6 +99,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     # lower the score by this much and by 10% of it)
     hysteresis: float = 0.3
     window_s: float = 30.0
+    # the burst history (Traffic.prefill_peak_ratio) spans this long, back to the last shift of the mix at most:
+    # a bursty trace's bursts are minutes apart, so most windows of window_s see none
+    burst_window_s: float = 300.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
 
@@ -103,8 +110,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"--planner must be static or sla, got {self.mode!r}")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
-        if self.interval_s <= 0 or self.window_s <= 0:
-            raise ValueError("--planner-interval-s and --planner-window-s must be positive")
+        if self.interval_s <= 0 or self.window_s <= 0 or self.burst_window_s <= 0:
+            raise ValueError("--planner-interval-s, --planner-window-s and --planner-burst-window-s must be "
+                             "positive")
         if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
             raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
                              "--planner-max-concurrent-moves >= 1")

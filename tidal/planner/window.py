@@ -9,14 +9,24 @@ lengths but no TTFT/TPOT.
 
 from __future__ import annotations
 
+import bisect
 import collections
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import msgspec
 
 from tidal.planner.schema import Traffic
 
 MAX_TAIL_BYTES = 1 << 16  # of a stream: enough for its last event
+MIN_GAPS = 8  # arrivals' burstiness is measured from at least this many gaps
+PEAK_QUANTILE = 0.9  # of the rates that arrivals meet: DistServe's goodput counts 90% of requests
+# the window's mean prompt or answer length this many times the burst history's (either way) is a new
+# mix: the history restarts with the window. The Azure code and conversation traces differ ~7x in their
+# mean answer; the code trace's own 30-s windows stay within 2.4x of its previous 270 s. The history then
+# restarts empty: lengths are known at completion, so the window that shows the shift still holds arrivals
+# of the old mix
+MIX_SHIFT_RATIO = 3.0
+MIN_MIX_SAMPLES = 8
 
 
 class Observation(msgspec.Struct, kw_only=True):
@@ -81,19 +91,29 @@ def stream_observation(path: str, started_at: float, tally: StreamTally, ended_a
 
 
 class TrafficWindow:
-    """Arrivals and completions of the last `window_s` seconds."""
+    """Arrivals and completions of the last `window_s` seconds, and the burst history: arrival times and
+    (prompt, answer) lengths over the last `burst_window_s`, since the last shift of the mix."""
 
-    def __init__(self, window_s: float, started_at: float) -> None:
+    def __init__(self, window_s: float, started_at: float, burst_window_s: Optional[float] = None,
+                 peak_span_s: Optional[float] = None) -> None:
         self.window_s = window_s
+        self.burst_window_s = max(window_s, burst_window_s or window_s)
+        self.peak_span_s = peak_span_s  # None: no peak measured (prefill_peak_ratio 1)
         self.started_at = started_at
         self.arrivals: collections.deque[float] = collections.deque()
+        self.arrival_history: collections.deque[float] = collections.deque()  # over burst_window_s
         self.completions: collections.deque[tuple[float, Observation]] = collections.deque()
+        self.length_history: collections.deque[tuple[float, int, int]] = collections.deque()  # (at, prompt, answer)
+        self.mix_shifts = 0
 
     def arrival(self, now: float) -> None:
         self.arrivals.append(now)
+        self.arrival_history.append(now)
 
     def completion(self, now: float, obs: Observation) -> None:
         self.completions.append((now, obs))
+        if obs.completion_tokens > 0:
+            self.length_history.append((now, obs.prompt_tokens, obs.completion_tokens))
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s
@@ -101,6 +121,27 @@ class TrafficWindow:
             self.arrivals.popleft()
         while self.completions and self.completions[0][0] <= edge:
             self.completions.popleft()
+        forget_before = now - self.burst_window_s
+        if self._mix_shifted(edge):  # the window straddles the shift: keep none of it
+            self.mix_shifts += 1
+            forget_before = now
+        while self.arrival_history and self.arrival_history[0] <= forget_before:
+            self.arrival_history.popleft()
+        while self.length_history and self.length_history[0][0] <= forget_before:
+            self.length_history.popleft()
+
+    def _mix_shifted(self, edge: float) -> bool:
+        """Whether the window's mean prompt or answer differs from the burst history's before the window
+        by MIX_SHIFT_RATIO or more: bursts of the old mix say little about the new one."""
+        before = [(p, c) for t, p, c in self.length_history if t <= edge]
+        window = [(p, c) for t, p, c in self.length_history if t > edge]
+        if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_MIX_SAMPLES:
+            return False
+        for k in (0, 1):
+            old, new = _mean([x[k] for x in before]), _mean([x[k] for x in window])
+            if old > 0 and new > 0 and max(old / new, new / old) >= MIX_SHIFT_RATIO:
+                return True
+        return False
 
     def traffic(self, now: float) -> Traffic:
         self._trim(now)
@@ -118,6 +159,7 @@ class TrafficWindow:
                        mean_input_tokens=_mean([o.prompt_tokens for o in counted]),
                        input_tokens_deciles=deciles([o.prompt_tokens for o in counted]),
                        mean_output_tokens=_mean([o.completion_tokens for o in counted]),
+                       prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s),
                        completed=len(done),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
@@ -127,6 +169,19 @@ def deciles(values: list) -> list:
     """The middle value of each tenth of the sorted values (p5, p15, ... p95); [] when empty."""
     xs = sorted(values)
     return [xs[int((i + 0.5) * len(xs) / 10)] for i in range(10)] if xs else []
+
+
+def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE) -> float:
+    """The `quantile` (over arrivals) of the arrival rate within the `span_s`-long span centred on each
+    arrival, divided by the mean rate over all of `times` (sorted); 1 without a span, with fewer than
+    MIN_GAPS gaps, or when the times cover less than two spans."""
+    n = len(times)
+    if not span_s or n <= MIN_GAPS or times[-1] - times[0] < 2 * span_s:
+        return 1.0
+    ts = list(times)
+    counts = sorted(bisect.bisect_left(ts, t + span_s / 2) - bisect.bisect_left(ts, t - span_s / 2) for t in ts)
+    peak = counts[min(n - 1, int(quantile * n))] / span_s
+    return max(1.0, peak / ((n - 1) / (ts[-1] - ts[0])))
 
 
 def _mean(values: list) -> float:

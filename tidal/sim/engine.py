@@ -109,7 +109,8 @@ class Cluster:
             inst.on_first_token = self._first_token_on_decode
             self.instances[url] = inst
         self.policies = make_policies(cfg.policy, cfg.seed)
-        self.window = TrafficWindow(cfg.planner.window_s, 0.0)
+        self.window = TrafficWindow(cfg.planner.window_s, 0.0, cfg.planner.burst_window_s,
+                                    cfg.planner.ttft_slo_s)
         self.state = PlannerState()
         self.requests = [SimReq(i, t.arrival, t.input_tokens, t.output_tokens) for i, t in enumerate(trace)]
         self.moves: list[Move] = []
