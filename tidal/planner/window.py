@@ -21,10 +21,9 @@ MAX_TAIL_BYTES = 1 << 16  # of a stream: enough for its last event
 MIN_GAPS = 8  # arrivals' burstiness is measured from at least this many gaps
 PEAK_QUANTILE = 0.9  # of the rates that arrivals meet: DistServe's goodput counts 90% of requests
 # the window's mean prompt or answer length this many times the burst history's (either way) is a new
-# mix: the history restarts with the window. The Azure code and conversation traces differ ~7x in their
-# mean answer; the code trace's own 30-s windows stay within 2.4x of its previous 270 s. The history then
-# restarts empty: lengths are known at completion, so the window that shows the shift still holds arrivals
-# of the old mix
+# mix, and the history restarts empty (lengths are known at completion, so the window that shows the shift
+# still holds arrivals of the old mix). The Azure code and conversation traces differ ~7x in their mean
+# answer; the code trace's own 30-s windows stay within 2.4x of its preceding 270 s
 MIX_SHIFT_RATIO = 3.0
 MIN_MIX_SAMPLES = 8
 
