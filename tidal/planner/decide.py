@@ -77,7 +77,7 @@ class PlannerState:
         self.flows: dict[tuple[str, str], Flow] = {}
         self.workers: dict[str, WorkerMemory] = {}
         # the layout the last move headed for: passing the hysteresis once commits the moves toward it
-        self.committed: Optional[tuple[int, int, int]] = None
+        self.committed: Optional[dict[str, int]] = None
 
     def memory(self, url: str) -> WorkerMemory:
         return self.workers.setdefault(url, WorkerMemory())
@@ -361,11 +361,10 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool, current)
     if target is None:
         return _hold(now, "no allowed layout", current, cands)
-    key = (target.pools[PREFILL], target.pools[DECODE], target.pools[NULL])
-    if key == (heading[PREFILL], heading[DECODE], heading[NULL]):
+    if target.pools == heading:
         state.committed = None
     pays, what = gain_enough(current, target, cfg.hysteresis)
-    if state.committed == key and not pays:
+    if state.committed == target.pools and not pays:
         pays, what = True, f"{what} (committed)"
     why = f"{what} at {_brief(target.pools)}"
     if not pays:
@@ -380,7 +379,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
                           and heading[c.dst] < target.pools[c.dst]})
         return _hold(now, f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
                      current, cands, target=target)
-    state.committed = key
+    state.committed = target.pools
     return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current, best=best,
                     candidates=cands, target=target,
                     reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
