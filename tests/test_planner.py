@@ -524,6 +524,23 @@ def test_a_new_mix_starts_a_new_burst_history():
     assert same.mix_shifts == 0 and same.traffic(299.0).prefill_peak_ratio > 2
 
 
+def test_a_calm_window_keeps_its_historys_burst_rate():
+    """The prefill queues are predicted at the burst history's burst rate even in a calm window: the
+    window's rate times the peak ratio is that rate (not the window's rate times the history's ratio)."""
+    w = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(w, 0.0, 200.0, 1000, 5, bursty=True)  # 20 at once every 20 s: 2.5/s within an 8-s span
+    for k in range(10):  # then calm: one arrival every 10 s
+        w.arrival(200.0 + 10 * k)
+    t = w.traffic(299.0)
+    assert t.arrival_rate == pytest.approx(0.1)
+    assert t.arrival_rate * t.prefill_peak_ratio == pytest.approx(2.5, rel=0.05)
+    rush = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(rush, 0.0, 200.0, 1000, 5, bursty=True)
+    for k in range(150):  # a window busier than any burst of the history: 5/s
+        rush.arrival(270.0 + k * 0.2)
+    assert rush.traffic(300.0).prefill_peak_ratio == pytest.approx(1.0, abs=0.02)
+
+
 def test_bursts_load_the_prefill_queues_not_the_decode_steps():
     from tidal.planner.predict import CostPredictor, PoolLoad
 

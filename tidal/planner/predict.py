@@ -28,9 +28,10 @@ tokens over the window, T = the planner interval):
   (plus one decode step, the batch it waits behind), with the same KV cap.
 
 Bursts: every prefill queue above runs at lambda * Traffic.prefill_peak_ratio (the rate 90% of
-prompts meet within a TTFT SLO, over the mean); a PD decode worker at the mean lambda (a burst of
-short answers only grows its batch); a null worker's decode stall and batch at the peak scaled
-down for answers that outlast the TTFT SLO at the TPOT SLO (`_decode_peak`).
+the burst history's prompts met within a TTFT SLO, or the window's rate when that is higher); a
+PD decode worker at the mean lambda (a burst of short answers only grows its batch); a null
+worker's decode stall and batch at the peak scaled down for answers that outlast the TTFT SLO
+at the TPOT SLO (`_decode_peak`).
 
 A path's score is max(TTFT / TTFT SLO, TPOT / TPOT SLO); a layout's is its worst path's
 (below 1: both SLOs met). Without a cost model the observed latencies of each path are

@@ -36,9 +36,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     # length, so a heavy-tailed mix costs more than its mean prompt; empty: unknown
     input_tokens_deciles: list[int] = []
     mean_output_tokens: float = 0.0
-    # the arrival rate that prompts meet, over the mean: the 90th percentile, over the arrivals of the burst
-    # history, of the rate in the TTFT-SLO-long span around each, divided by the history's mean rate (>= 1).
-    # Prompts of a burst queue for prefill together; an answer's decode averages over its many steps
+    # the arrival rate that prompts meet, over the window's: the 90th percentile, over the arrivals of the burst
+    # history, of the rate in the TTFT-SLO-long span around each, divided by arrival_rate (>= 1). Prompts of a
+    # burst queue for prefill together; an answer's decode averages over its many steps
     prefill_peak_ratio: float = 1.0
     completed: int = 0
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished

@@ -154,11 +154,13 @@ class TrafficWindow:
                 ttft.setdefault(o.path, []).append(o.ttft_s)
             if o.tpot_s is not None:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
-        return Traffic(arrival_rate=len(self.arrivals) / span,
+        rate = len(self.arrivals) / span
+        return Traffic(arrival_rate=rate,
                        mean_input_tokens=_mean([o.prompt_tokens for o in counted]),
                        input_tokens_deciles=deciles([o.prompt_tokens for o in counted]),
                        mean_output_tokens=_mean([o.completion_tokens for o in counted]),
-                       prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s),
+                       # over the window's rate: a calm window of a bursty history keeps the history's burst rate
+                       prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
@@ -170,17 +172,18 @@ def deciles(values: list) -> list:
     return [xs[int((i + 0.5) * len(xs) / 10)] for i in range(10)] if xs else []
 
 
-def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE) -> float:
+def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE,
+               over_rate: Optional[float] = None) -> float:
     """The `quantile` (over arrivals) of the arrival rate within the `span_s`-long span centred on each
-    arrival, divided by the mean rate over all of `times` (sorted); 1 without a span, with fewer than
-    MIN_GAPS gaps, or when the times cover less than two spans."""
+    arrival, divided by `over_rate` (default: the mean rate over all of `times`, sorted), at least 1; 1
+    without a span, with fewer than MIN_GAPS gaps, or when the times cover less than two spans."""
     n = len(times)
     if not span_s or n <= MIN_GAPS or times[-1] - times[0] < 2 * span_s:
         return 1.0
     ts = list(times)
     counts = sorted(bisect.bisect_left(ts, t + span_s / 2) - bisect.bisect_left(ts, t - span_s / 2) for t in ts)
     peak = counts[min(n - 1, int(quantile * n))] / span_s
-    return max(1.0, peak / ((n - 1) / (ts[-1] - ts[0])))
+    return max(1.0, peak / (over_rate or (n - 1) / (ts[-1] - ts[0])))
 
 
 def _mean(values: list) -> float:
