@@ -524,6 +524,40 @@ def test_a_new_mix_starts_a_new_burst_history():
     assert same.mix_shifts == 0 and same.traffic(299.0).prefill_peak_ratio > 2
 
 
+def test_a_lulls_stragglers_are_neither_a_new_mix_nor_the_mix():
+    """After a burst, a window with no arrivals holds only the burst's long stragglers: too few to be a new
+    mix (the burst history stays), and the lengths come from the history's last completions instead."""
+    w = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(w, 0.0, 200.0, 500, 7, bursty=True)
+    for k in range(11):  # no arrival after 200 s; 11 long requests finish in the lull
+        w.completion(215.0 + k, Observation(path="pd", prompt_tokens=1150, completion_tokens=73))
+    t = w.traffic(232.0)
+    assert w.mix_shifts == 0 and t.prefill_peak_ratio > 2
+    # 64 lengths: the 11 stragglers and 53 of the burst before
+    assert t.mean_output_tokens == pytest.approx((11 * 73 + 53 * 7) / 64)
+    assert t.mean_input_tokens == pytest.approx((11 * 1150 + 53 * 500) / 64)
+    busy = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    feed_phase(busy, 0.0, 200.0, 500, 7, bursty=False)
+    feed_phase(busy, 200.0, 230.0, 1150, 73, bursty=False)  # 30 completions of a new mix: a shift
+    assert busy.traffic(230.0).mean_output_tokens > 40 and busy.mix_shifts == 1
+
+
+def test_a_bursts_long_tail_finishing_later_is_not_a_new_mix():
+    """A burst's long requests finish after it, many in a window that starts after they arrived: by
+    completion time that window's answers are several times the history's, by arrival it is the old mix."""
+    def tail(arrived_at):
+        w = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+        feed_phase(w, 0.0, 200.0, 500, 7, bursty=True)
+        for k in range(40):  # the burst's 40 longest requests, finishing in the next window
+            w.completion(215.0 + k * 0.3, Observation(path="pd", prompt_tokens=500, completion_tokens=40,
+                                                      arrived_at=arrived_at))
+            w.arrival(215.0 + k * 0.3)  # while the arrivals go on
+        w.traffic(232.0)
+        return w.mix_shifts
+    assert tail(arrived_at=195.0) == 0
+    assert tail(arrived_at=None) == 1  # arrival unknown: counted as the window's own
+
+
 def test_a_calm_window_keeps_its_historys_burst_rate():
     """The prefill queues are predicted at the burst history's burst rate even in a calm window: the
     window's rate times the peak ratio is that rate (not the window's rate times the history's ratio)."""

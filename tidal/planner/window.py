@@ -25,13 +25,20 @@ PEAK_QUANTILE = 0.9  # of the rates that arrivals meet: DistServe's goodput coun
 # still holds arrivals of the old mix). The Azure code and conversation traces differ ~7x in their mean
 # answer; the code trace's own 30-s windows stay within 2.4x of its preceding 270 s
 MIX_SHIFT_RATIO = 3.0
-MIN_MIX_SAMPLES = 8
+MIN_MIX_SAMPLES = 8  # completions of the history before the window that the mix-shift test needs
+# and of the window: in a lull the window holds few completions, often the long stragglers of the last
+# burst, which look like a new mix
+MIN_SHIFT_WINDOW_SAMPLES = 20
+# the mean lengths and deciles come from the window's completions, or from the last this many of the history
+# when the window has fewer (a lull's stragglers are not the mix)
+MIN_LENGTH_SAMPLES = 64
 
 
 class Observation(msgspec.Struct, kw_only=True):
     path: str  # PD_PATH or NULL_PATH
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    arrived_at: Optional[float] = None  # on the window's clock; None: unknown
     ttft_s: Optional[float] = None
     tpot_s: Optional[float] = None
 
@@ -85,7 +92,7 @@ class StreamTally:
 def stream_observation(path: str, started_at: float, tally: StreamTally, ended_at: float) -> Observation:
     prompt, completion = tally.token_counts()
     tpot = (ended_at - tally.first_at) / (completion - 1) if completion > 1 else None
-    return Observation(path=path, prompt_tokens=prompt, completion_tokens=completion,
+    return Observation(path=path, prompt_tokens=prompt, completion_tokens=completion, arrived_at=started_at,
                        ttft_s=tally.first_at - started_at, tpot_s=tpot)
 
 
@@ -102,7 +109,8 @@ class TrafficWindow:
         self.arrivals: collections.deque[float] = collections.deque()
         self.arrival_history: collections.deque[float] = collections.deque()  # over burst_window_s
         self.completions: collections.deque[tuple[float, Observation]] = collections.deque()
-        self.length_history: collections.deque[tuple[float, int, int]] = collections.deque()  # (at, prompt, answer)
+        # (completed at, prompt, answer, arrived at or None)
+        self.length_history: collections.deque[tuple[float, int, int, Optional[float]]] = collections.deque()
         self.mix_shifts = 0
 
     def arrival(self, now: float) -> None:
@@ -112,7 +120,7 @@ class TrafficWindow:
     def completion(self, now: float, obs: Observation) -> None:
         self.completions.append((now, obs))
         if obs.completion_tokens > 0:
-            self.length_history.append((now, obs.prompt_tokens, obs.completion_tokens))
+            self.length_history.append((now, obs.prompt_tokens, obs.completion_tokens, obs.arrived_at))
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s
@@ -132,9 +140,11 @@ class TrafficWindow:
     def _mix_shifted(self, edge: float) -> bool:
         """Whether the window's mean prompt or answer differs from the burst history's before the window
         by MIX_SHIFT_RATIO or more: bursts of the old mix say little about the new one."""
-        before = [(p, c) for t, p, c in self.length_history if t <= edge]
-        window = [(p, c) for t, p, c in self.length_history if t > edge]
-        if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_MIX_SAMPLES:
+        before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+        # requests that arrived before the window and finished in it are the long tail of an older window
+        # (after a burst, most of it), not a new mix
+        window = [(p, c) for t, p, c, arrived in self.length_history if t > edge and (arrived is None or arrived > edge)]
+        if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_SHIFT_WINDOW_SAMPLES:
             return False
         for k in (0, 1):
             old, new = _mean([x[k] for x in before]), _mean([x[k] for x in window])
@@ -146,7 +156,9 @@ class TrafficWindow:
         self._trim(now)
         span = max(1.0, min(self.window_s, now - self.started_at))
         done = [o for _, o in self.completions]
-        counted = [o for o in done if o.completion_tokens > 0]
+        lengths = [(o.prompt_tokens, o.completion_tokens) for o in done if o.completion_tokens > 0]
+        if len(lengths) < MIN_LENGTH_SAMPLES and len(self.length_history) > len(lengths):
+            lengths = [(p, c) for _, p, c, _ in list(self.length_history)[-MIN_LENGTH_SAMPLES:]]
         ttft: dict[str, list[float]] = {}
         tpot: dict[str, list[float]] = {}
         for o in done:
@@ -156,9 +168,9 @@ class TrafficWindow:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
         rate = len(self.arrivals) / span
         return Traffic(arrival_rate=rate,
-                       mean_input_tokens=_mean([o.prompt_tokens for o in counted]),
-                       input_tokens_deciles=deciles([o.prompt_tokens for o in counted]),
-                       mean_output_tokens=_mean([o.completion_tokens for o in counted]),
+                       mean_input_tokens=_mean([p for p, _ in lengths]),
+                       input_tokens_deciles=deciles([p for p, _ in lengths]),
+                       mean_output_tokens=_mean([c for _, c in lengths]),
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),

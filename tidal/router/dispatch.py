@@ -228,7 +228,7 @@ class Dispatcher:
             return
         prompt, completion = body_token_counts(out.body)
         self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=prompt,
-                                                               completion_tokens=completion))
+                                                               completion_tokens=completion, arrived_at=started_at))
 
     # ------------------------------------------------------------ one attempt
 

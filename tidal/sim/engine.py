@@ -306,7 +306,7 @@ class Cluster:
         self.registry.end(self.registry.get(inst.url))
         ttft, tpot = self.ttft_tpot(r)
         self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
-                                                     completion_tokens=r.generated, ttft_s=ttft,
+                                                     completion_tokens=r.generated, arrived_at=r.arrival, ttft_s=ttft,
                                                      tpot_s=tpot if r.generated > 1 else None))
         self._end(r, "finished", self.meets_slo(r))
 
