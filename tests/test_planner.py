@@ -109,6 +109,24 @@ def test_no_move_undoing_a_move_inside_the_cooldown_then_moves():
     assert decide(NOW + 21, c, state, STARVED_PREFILL, LONG_PROMPTS, COST).kind == "move"
 
 
+def test_an_overloaded_layout_is_not_held_by_the_reversal_cooldown():
+    """5 s after a decode worker moved to prefill, the decode pool is swamped: with 60 running requests
+    its TPOT misses the SLO at any arrival rate (capacity 0), and a move back meets it. The reversal
+    cooldown yields there; with 20 running requests (capacity above 0) it holds."""
+    traffic = Traffic(arrival_rate=0.5, mean_input_tokens=100, mean_output_tokens=200)
+    for running, moves in ((60, True), (20, False)):
+        state = PlannerState()
+        state.started(NOW - 10, "http://decode9", DECODE, PREFILL)
+        state.finished(NOW - 5, "http://decode9", True, cfg())
+        d = decide(NOW, cfg(tpot_slo_s=0.06), state, layout(3, 1, 0, decode={"running_reqs": running}), traffic,
+                   COST)
+        if moves:
+            assert d.current.capacity == 0 and d.target.capacity >= 1
+            assert d.kind == "move" and (d.src, d.dst) == (PREFILL, DECODE) and "overloaded" in d.reason, d.reason
+        else:
+            assert d.current.capacity > 0 and d.kind == "hold" and "cooldown" in d.reason, d.reason
+
+
 def test_moves_the_same_way_go_on_inside_the_cooldown():
     """A worker just went decode -> prefill and prefill still starves: the next one follows at once."""
     c, state = cfg(cooldown_s=30.0), PlannerState()

@@ -17,7 +17,8 @@ small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by tod
 It never:
 - moves a worker back the way a move went inside the cooldown after that move started or
   ended (no move into a pool that lost a worker, nor out of one that gained a worker, in the
-  last `cooldown_s`), nor moves a worker again inside its own cooldown;
+  last `cooldown_s`), unless overloaded (the layout it heads for misses the SLOs at every rate,
+  and the target meets them at today's), nor moves a worker again inside its own cooldown;
 - starts a move with `max_concurrent_moves` moves already in flight;
 - shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
 - leaves no usable path: with no null worker, both a prefill and a decode worker must remain;
@@ -300,9 +301,9 @@ def gain_enough(current: Prediction, target: Prediction, hysteresis: float) -> t
 
 
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
-               predictor: Any, load: PoolLoad, traffic: Traffic) -> list[Candidate]:
+               predictor: Any, load: PoolLoad, traffic: Traffic, overloaded: bool = False) -> list[Candidate]:
     """Every single move, each predicted in the layout the cluster heads for; the fastest workers to
-    drain first (they win ties)."""
+    drain first (they win ties). `overloaded`: the reversal cooldown yields."""
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
@@ -313,7 +314,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
             if dst == w.mode:
                 continue
             reason = (blocked or layout_problem(after_move(pools, w.mode, dst), w.mode, cfg.min_per_pool)
-                      or state.reversal(now, w.mode, dst, cfg))
+                      or ("" if overloaded else state.reversal(now, w.mode, dst, cfg)))
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = rated(predictor, after_move(heading, w.mode, dst), load, traffic)
             out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason,
@@ -363,10 +364,16 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no allowed layout", current, cands)
     if target.pools == heading:
         state.committed = None
+    # overloaded: the layout heading for misses the SLOs at every rate (its backlog alone breaks them) and the
+    # target meets them at today's. A reversal cooldown that kept the cluster there would cost every request
+    # until it ends (a move toward code-like pools just before a conversation phase, say), so it yields
+    overloaded = current.capacity == 0 and target.capacity >= 1
+    if overloaded:
+        cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True)
     pays, what = gain_enough(current, target, cfg.hysteresis)
     if state.committed == target.pools and not pays:
         pays, what = True, f"{what} (committed)"
-    why = f"{what} at {_brief(target.pools)}"
+    why = f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
     if not pays:
         return _hold(now, f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
                      current, cands, target=target)
