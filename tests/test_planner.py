@@ -430,6 +430,28 @@ def test_in_a_large_cluster_the_planner_heads_for_the_best_layout_not_the_best_s
     assert there.kind == "hold", there.reason
 
 
+def test_among_near_best_layouts_one_whose_decode_pool_takes_the_bursts_wins():
+    """Long prompts in bursts (twice the mean rate): 63:1 has the most capacity, with its one decode worker
+    predicted at the mean rate; at the burst rate that worker is far short. Among the layouts within 5% of
+    the best, the planner heads for one whose decode pool also takes the burst (61:3). Without bursts
+    the target is the best layout, as before."""
+    import tidal.planner.decide as decide_module
+    from tidal.planner.predict import CostPredictor, PoolLoad
+
+    current = {NULL: 0, PREFILL: 32, DECODE: 32}
+    bursty = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20, prefill_peak_ratio=2.0)
+    d = decide(NOW, cfg(max_concurrent_moves=2), PlannerState(), layout(32, 32, 0), bursty, COST)
+    assert d.target.pools == {NULL: 0, PREFILL: 61, DECODE: 3}, d.target.pools
+    pred = CostPredictor(COST, 3.0, 0.1, 5.0)
+    best = max((decide_module.rated(pred, {NULL: 0, PREFILL: 64 - k, DECODE: k}, PoolLoad([]), bursty)
+                for k in range(1, 8)), key=lambda x: x.capacity)
+    assert best.pools[DECODE] == 1 and not decide_module.robust(pred, best, PoolLoad([]), bursty)
+    assert d.target.capacity >= best.capacity * 0.95
+    steady = msgspec.structs.replace(bursty, prefill_peak_ratio=1.0)
+    assert decide_module.best_layout(pred, current, PoolLoad([]), steady, 1).pools == {NULL: 0, PREFILL: 61,
+                                                                                      DECODE: 3}
+
+
 def test_moves_toward_a_committed_target_go_on_below_the_hysteresis():
     """Once a target has passed the hysteresis, the next moves toward it do not have to pass it again:
     one worker short of the target the remaining gain is small, and a planner re-testing it would stop

@@ -29,7 +29,9 @@ tokens over the window, T = the planner interval):
 
 Bursts: every prefill queue above runs at lambda * Traffic.prefill_peak_ratio (the rate 90% of
 the burst history's prompts met within a TTFT SLO, or the window's rate when that is higher); a
-PD decode worker at the mean lambda (a burst of short answers only grows its batch); a null
+PD decode worker at the mean lambda (a burst of short answers only grows its batch), or, with
+`decode_bursts` set (the planner's robustness test of near-best layouts), at the decodes' burst
+rate capped by what the prefill pool passes on (P / p); a null
 worker's decode stall and batch at the peak scaled down for answers that outlast the TTFT SLO
 at the TPOT SLO (`_decode_peak`).
 
@@ -121,6 +123,9 @@ class CostPredictor:
         self.decode_peak = 1.0  # the decodes' (_decode_peak)
         self._moments: dict[tuple[int, ...], tuple[float, float]] = {}
         self.ttft_slo_s, self.tpot_slo_s, self.interval_s = ttft_slo_s, tpot_slo_s, interval_s
+        # PD decode workers at the decodes' burst rate, capped by what the prefill pool passes (P / p), instead
+        # of the mean rate: the planner's test of a near-best layout's decode pool (decide.robust)
+        self.decode_bursts = False
 
     def predict(self, pools: dict[str, int], load: PoolLoad, traffic: Traffic) -> Prediction:
         shares = path_shares(pools)
@@ -205,7 +210,11 @@ class CostPredictor:
                                               inp, self.deciles)
         # at the mean rate: a burst of short answers only grows a decode worker's batch, whose steps stay short
         # (peak-rate decodes ranked 14:2 above the code trace's best split, 15:1, in the simulator)
-        tpot, extra = self._decode(lam / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0)
+        lam_d = lam
+        if self.decode_bursts:
+            p = self._decile_moments(tuple(self.deciles))[0] if self.deciles else self.cost.prefill_seconds(int(inp))
+            lam_d = max(lam, min(lam * self.decode_peak, n_p / p if p > 0 else lam))
+        tpot, extra = self._decode(lam_d / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0)
         return prefill_ttft + self.cost.kv_transfer_seconds(int(inp)) + extra, tpot
 
     def _whole(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
