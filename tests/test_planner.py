@@ -445,7 +445,7 @@ def test_among_near_best_layouts_one_whose_decode_pool_takes_the_bursts_wins():
     pred = CostPredictor(COST, 3.0, 0.1, 5.0)
     best = max((decide_module.rated(pred, {NULL: 0, PREFILL: 64 - k, DECODE: k}, PoolLoad([]), bursty)
                 for k in range(1, 8)), key=lambda x: x.capacity)
-    assert best.pools[DECODE] == 1 and not decide_module.robust(pred, best, PoolLoad([]), bursty)
+    assert best.pools[DECODE] == 1 and not decide_module.robust(pred.with_decode_bursts(), best, PoolLoad([]), bursty)
     assert d.target.capacity >= best.capacity * 0.95
     steady = msgspec.structs.replace(bursty, prefill_peak_ratio=1.0)
     assert decide_module.best_layout(pred, current, PoolLoad([]), steady, 1).pools == {NULL: 0, PREFILL: 61,

@@ -291,7 +291,8 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
     best = top()
     pool = list(seen.values())
     if best.capacity and isinstance(predictor, CostPredictor):
-        sturdy = [x for x in pool if x.capacity >= best.capacity * (1 - NEAR_BEST) and robust(predictor, x, load,
+        bursty = predictor.with_decode_bursts()
+        sturdy = [x for x in pool if x.capacity >= best.capacity * (1 - NEAR_BEST) and robust(bursty, x, load,
                                                                                                 traffic)]
         if sturdy:
             pool, best = sturdy, max(sturdy, key=lambda x: x.capacity)
@@ -299,16 +300,11 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
     return min(ties, key=lambda x: (moves_between(current, x.pools), -x.capacity, x.score))
 
 
-def robust(predictor: CostPredictor, pred: Prediction, load: PoolLoad, traffic: Traffic) -> bool:
+def robust(bursty: CostPredictor, pred: Prediction, load: PoolLoad, traffic: Traffic) -> bool:
     """Whether the layout keeps (within NEAR_TIE) its capacity with its PD decode workers at the burst rate
-    (`CostPredictor.decode_bursts`). At 64 instances on the code trace 61:3 and 60:4 are within 3%, and in the
-    simulator 3 decode workers miss the TPOT SLO in the bursts that 4 serve."""
-    predictor.decode_bursts = True
-    try:
-        burst = capacity(predictor, pred.pools, load, traffic) or 0.0
-    finally:
-        predictor.decode_bursts = False
-    return burst >= pred.capacity * (1 - NEAR_TIE)
+    (`bursty`: a predictor with `decode_bursts` set). At 64 instances on the code trace 61:3 and 60:4 are
+    within 3%, and in the simulator 3 decode workers miss the TPOT SLO in the bursts that 4 serve."""
+    return (capacity(bursty, pred.pools, load, traffic) or 0.0) >= pred.capacity * (1 - NEAR_TIE)
 
 
 def gain_enough(current: Prediction, target: Prediction, hysteresis: float) -> tuple[bool, str]:

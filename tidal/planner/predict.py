@@ -50,6 +50,7 @@ on PD prefill workers, TP pairing, the capacity lost while a worker drains and s
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Optional, Sequence
 
 from tidal.planner.schema import (
@@ -150,14 +151,24 @@ class CostPredictor:
                        deciles: Sequence[int] = ()) -> tuple[float, float]:
         """(TTFT without transfer or decode, utilisation) of one worker's prefill queue. With the prompt
         lengths' deciles: the mean and the second moment of the prefill time over them (M/G/1)."""
-        if deciles:
-            p, residual = self._decile_moments(tuple(deciles))
-        else:
-            p = self.cost.prefill_seconds(int(inp))
-            residual = p / 2
+        p, residual = self._prefill_moments(inp, deciles)
         rho = lam_w * p
         backlog_s = backlog_tokens * p / inp
         return backlog_s + queue_wait(rho, 2 * residual, self.interval_s) + p, rho
+
+    def _prefill_moments(self, inp: float, deciles: Sequence[int]) -> tuple[float, float]:
+        """(mean prefill time, mean residual service time): over the prompt-length deciles when known, else
+        of the mean prompt (a deterministic service time)."""
+        if deciles:
+            return self._decile_moments(tuple(deciles))
+        p = self.cost.prefill_seconds(int(inp))
+        return p, p / 2
+
+    def with_decode_bursts(self) -> "CostPredictor":
+        """A view of this predictor (same cost model and memo) with `decode_bursts` set."""
+        view = copy.copy(self)
+        view.decode_bursts = True
+        return view
 
     def _decode_peak(self, out: float) -> float:
         """The arrival rate over the mean that a null worker's decode sees (the prefills that stall it, the
@@ -212,7 +223,7 @@ class CostPredictor:
         # (peak-rate decodes ranked 14:2 above the code trace's best split, 15:1, in the simulator)
         lam_d = lam
         if self.decode_bursts:
-            p = self._decile_moments(tuple(self.deciles))[0] if self.deciles else self.cost.prefill_seconds(int(inp))
+            p, _ = self._prefill_moments(inp, self.deciles)
             lam_d = max(lam, min(lam * self.decode_peak, n_p / p if p > 0 else lam))
         tpot, extra = self._decode(lam_d / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0)
         return prefill_ttft + self.cost.kv_transfer_seconds(int(inp)) + extra, tpot

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import collections
+import itertools
 from typing import Any, Optional, Sequence
 
 import msgspec
@@ -143,7 +144,8 @@ class TrafficWindow:
         before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
         # requests that arrived before the window and finished in it are the long tail of an older window
         # (after a burst, most of it), not a new mix
-        window = [(p, c) for t, p, c, arrived in self.length_history if t > edge and (arrived is None or arrived > edge)]
+        window = [(p, c) for t, p, c, arrived in self.length_history
+                  if t > edge and (arrived is None or arrived > edge)]
         if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_SHIFT_WINDOW_SAMPLES:
             return False
         for k in (0, 1):
@@ -158,7 +160,7 @@ class TrafficWindow:
         done = [o for _, o in self.completions]
         lengths = [(o.prompt_tokens, o.completion_tokens) for o in done if o.completion_tokens > 0]
         if len(lengths) < MIN_LENGTH_SAMPLES and len(self.length_history) > len(lengths):
-            lengths = [(p, c) for _, p, c, _ in list(self.length_history)[-MIN_LENGTH_SAMPLES:]]
+            lengths = [(p, c) for _, p, c, _ in itertools.islice(reversed(self.length_history), MIN_LENGTH_SAMPLES)]
         ttft: dict[str, list[float]] = {}
         tpot: dict[str, list[float]] = {}
         for o in done:
