@@ -59,6 +59,22 @@ def test_concurrent_requests_batch_and_match_sequential(server):
     assert float(line.split()[-1]) > 1
 
 
+def prefill_batches(server) -> int:
+    info = httpx.get(server.url + "/server_info", timeout=30).json()
+    return info["internal_states"][0]["num_prefill_batches"]
+
+
+def test_a_batch_requests_prompts_are_prefilled_in_one_step(server):
+    """They reach the scheduler as one message; sent one by one, 8 came in 2 prefill steps."""
+    prompts = [[1000 + 97 * i + j for j in range(8)] for i in range(8)]  # 64 tokens: one chunk
+    before = prefill_batches(server)
+    r = httpx.post(server.url + "/generate", json={"input_ids": prompts, "sampling_params": {"max_new_tokens": 1}},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert [o["meta_info"]["completion_tokens"] for o in r.json()] == [1] * len(prompts)
+    assert prefill_batches(server) - before == 1
+
+
 def test_stream_generate_concatenates_to_final(server):
     body = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 20, "temperature": 0.0}, "stream": True}
     texts = []

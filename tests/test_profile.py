@@ -18,8 +18,9 @@ import pytest
 
 from servers import Server, free_port
 from tidal.cli import main
-from tidal.profile.cost import CostModel
-from tidal.profile.measure import cpu_flags, steady_intervals
+from tidal.cpus import cpu_flags
+from tidal.profile.cost import CostModel, host_mismatch
+from tidal.profile.measure import steady_intervals
 from tidal.profile.schema import ProfileFormatError, load_profile, profile_from_dict, save_profile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -34,6 +35,7 @@ def make_profile(**overrides) -> dict:
                    "max_running_requests": 16,
                    "transfer_backend": "tcp"},
         "prefill": [{"tokens": 100, "seconds": 1.0}, {"tokens": 200, "seconds": 1.5}, {"tokens": 400, "seconds": 3.5}],
+        "prefill_batch": [],
         "decode": [{"batch": 1, "context_tokens": 100, "step_seconds": 0.010},
                    {"batch": 1, "context_tokens": 300, "step_seconds": 0.030},
                    {"batch": 3, "context_tokens": 300, "step_seconds": 0.020},
@@ -76,6 +78,31 @@ def test_repeated_points_are_averaged():
                                                    {"tokens": 300, "seconds": 3.5}]))
     assert cm.prefill_seconds(100) == pytest.approx(1.5)
     assert cm.prefill_seconds(200) == pytest.approx(2.5)
+
+
+def test_a_prefill_step_of_several_prompts_shares_what_its_batch_points_measured():
+    # alone 1.0 s (100 tokens), 1.5 (200), 3.5 (400); 4 x 100 together in 3.1 s share (4 x 1.0 - 3.1) / 3 = 0.3,
+    # 2 x 200 in 2.6 s share 0.4
+    cm = CostModel.from_dict(make_profile(prefill_batch=[{"batch": 4, "tokens": 100, "seconds": 3.1},
+                                                         {"batch": 2, "tokens": 200, "seconds": 2.6}]))
+    assert cm.prefill_step_seconds([100] * 4) == pytest.approx(3.1)
+    assert cm.prefill_step_seconds([200, 200]) == pytest.approx(2.6)
+    assert cm.prefill_step_seconds([100, 200]) == pytest.approx(1.0 + 1.5 - 0.35)  # shared at the mean, 150
+    assert cm.prefill_step_seconds([400, 400, 400]) == pytest.approx(3 * 3.5 - 2 * 0.6)  # shared extrapolated
+    assert cm.prefill_step_seconds([0, 150]) == pytest.approx(cm.prefill_seconds(150))  # alone
+    assert cm.prefill_step_seconds([]) == 0.0
+
+
+def test_without_batch_points_a_prefill_step_costs_one_prompt_of_its_total_length():
+    cm = CostModel.from_dict(make_profile())
+    assert cm.prefill_step_seconds([100, 200]) == pytest.approx(cm.prefill_seconds(300)) == pytest.approx(2.5)
+
+
+def test_a_prefill_batch_never_costs_less_than_its_slowest_prompt_alone():
+    # 2 x 100 in 0.5 s would share 1.5 s, more than one prompt's 1.0: capped there
+    cm = CostModel.from_dict(make_profile(prefill_batch=[{"batch": 2, "tokens": 100, "seconds": 0.5}]))
+    assert cm.prefill_step_seconds([100, 100]) == pytest.approx(1.0)
+    assert cm.prefill_step_seconds([100, 104]) == pytest.approx(cm.prefill_seconds(104))
 
 
 def test_decode_is_bilinear_on_the_measured_grid():
@@ -143,6 +170,7 @@ def test_save_then_load_gives_the_same_profile(tmp_path):
     (lambda d: d["server"].pop("max_total_tokens"), "missing required field `max_total_tokens`"),
     (lambda d: d["switch"].append({"src": "null", "dst": "colocated", "seconds": 0.1}), r"\$.switch\[0\].dst"),
     (lambda d: d.update(version=2), "unsupported profile version 2"),
+    (lambda d: d.update(prefill_batch=[{"batch": 1, "tokens": 8, "seconds": 0.1}]), r"\$.prefill_batch\[0\].batch"),
     (lambda d: d.update(prefill=[]), "no prefill points"),
 ])
 def test_a_malformed_profile_is_refused_with_what_is_wrong(tmp_path, change, message):
@@ -166,7 +194,8 @@ def test_a_hand_written_profile_needs_only_capacity_and_the_curves(tmp_path):
     assert cm.max_running_requests == 0  # not recorded: the planner caps a batch by the KV capacity alone
     save_profile(cm.profile, str(tmp_path / "p.json"))
     written = json.load(open(tmp_path / "p.json"))
-    assert set(written) == {"version", "measured_at", "server", "prefill", "decode", "kv_transfer", "switch", "drain"}
+    assert set(written) == {"version", "measured_at", "server", "prefill", "prefill_batch", "decode", "kv_transfer",
+                            "switch", "drain"}
     assert set(written["server"]) == {"url", "model", "quantization", "dtype", "torch_threads", "cpu_flags",
                                       "page_size", "max_total_tokens", "max_running_requests", "transfer_backend"}
 
@@ -198,6 +227,15 @@ def test_the_decode_window_starts_when_all_run_and_ends_when_one_finishes():
     intervals, kv = steady_intervals([a, b], prompt_tokens=4)
     assert sorted(round(x, 6) for x in intervals) == [0.1, 0.1, 0.1, 0.1, 0.1, 0.1]
     assert sorted(kv) == sorted([4 + 3, 4 + 4, 4 + 5, 4 + 1, 4 + 2, 4 + 3])  # token n: prompt + n - 1
+
+
+def test_a_profile_from_a_cpu_with_other_simd_flags_is_flagged():
+    profile = CostModel.from_dict(make_profile()).profile  # avx2 fma
+    assert host_mismatch(profile, ["avx2", "fma", "sse2", "aes"]) is None  # other flags do not matter
+    warning = host_mismatch(profile, ["avx2", "avx512f", "avx512_bf16", "fma"])
+    assert "it lacked avx512_bf16 avx512f" in warning and "tidal profile" in warning
+    assert "it had fma" in host_mismatch(profile, ["avx2"])
+    assert host_mismatch(profile, []) is None  # this host's flags unknown
 
 
 def test_cpu_flags_come_from_cpuinfo(tmp_path):
@@ -250,7 +288,7 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     try:
         assert not errors, f"a server did not start: {errors}"
         s, d = servers
-        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--decode-batches", "1,2", "--decode-contexts",
+        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--prefill-batches", "2,16", "--decode-batches", "1,2", "--decode-contexts",
                 "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
         refused = [profile_cmd(s.url, *grid),  # a prefill-mode server without --measure-switch
                    profile_cmd(s.url, *grid, "--measure-switch", "--decode-batches", "1,100"),
@@ -271,6 +309,9 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     p = cm.profile
     assert [x.tokens for x in p.prefill] == [16, 256] and all(x.seconds > 0 for x in p.prefill)
     assert p.prefill[1].seconds > p.prefill[0].seconds  # 16x the tokens; loose on a noisy box
+    # 16 x 256 tokens exceed one prefill step (the chunked-prefill size, 2048): not measured
+    assert [(x.batch, x.tokens) for x in p.prefill_batch] == [(2, 16), (2, 256), (16, 16)]
+    assert all(x.seconds > 0 for x in p.prefill_batch)
     assert [x.batch for x in p.decode] == [1, 2]
     for x in p.decode:  # KV lengths 16 + n - 1 for the n-th token, n in 2..8
         assert x.batch * 17 <= x.context_tokens <= x.batch * 23

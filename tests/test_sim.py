@@ -65,6 +65,19 @@ def test_requests_arriving_together_share_one_prefill_batch():
     assert latencies(c) == [(1.0, 0.1)] * 3
 
 
+def test_a_prefill_batch_costs_what_the_profiles_batch_points_say():
+    """Alone 1 s per 100 tokens; 3 x 100 together measured at 2.4 s. Without the batch point the
+    step costs as one prompt of 300 tokens, 3 s."""
+    profile = {"version": 1, "server": {"max_total_tokens": 100000},
+               "prefill": [{"tokens": 100, "seconds": 1.0}, {"tokens": 300, "seconds": 3.0}],
+               "decode": [{"batch": 1, "context_tokens": 0, "step_seconds": 0.1}]}
+    trace = [TraceRequest(0.0, 100, 2)] * 3
+    batch_point = {"prefill_batch": [{"batch": 3, "tokens": 100, "seconds": 2.4}]}
+    for cost, ttft in [(CostModel.from_dict({**profile, **batch_point}), 2.4), (CostModel.from_dict(profile), 3.0)]:
+        c = run(trace, cost, null=1, prefill=0, decode=0)
+        assert [t for t, _ in latencies(c)] == [ttft] * 3
+
+
 def test_pd_request_pays_prefill_transfer_then_decodes():
     """Prefill [0, 1], KV transfer [1, 1.5], first token when it joins the decode batch at 1.5,
     two decode steps to 1.7."""

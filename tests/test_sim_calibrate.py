@@ -146,3 +146,4 @@ def test_the_cluster_settings_profile_is_shipped():
     server = CostModel.from_file(path).profile.server
     assert (server.torch_threads, server.transfer_backend) == (1, "shm")
     assert CostModel.from_file(path).kv_transfer_seconds(512) > 0
+    assert CostModel.from_file(path).profile.prefill_batch  # a burst's prompts are prefilled together

@@ -31,6 +31,24 @@ SERVER_ENV = {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
 SPIN_ENV_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME")
 
 
+def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
+    """This host's CPU feature flags (the first processor's), sorted; [] where unreadable."""
+    try:
+        with open(path) as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() in ("flags", "Features"):
+                    return sorted(set(value.split()))
+    except OSError:
+        pass
+    return []
+
+
+def simd_flags(flags: list[str]) -> list[str]:
+    """The flags that decide which kernels run and how fast: AVX*, AMX*, FMA, F16C."""
+    return sorted({f for f in flags if f.startswith(("avx", "amx", "fma")) or f == "f16c"})
+
+
 def set_server_env(environ=os.environ) -> None:
     """Sets SERVER_ENV where the user has not chosen (any spin setting counts as a choice)."""
     if "TOKENIZERS_PARALLELISM" not in environ:

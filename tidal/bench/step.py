@@ -26,6 +26,8 @@ import torch
 
 from tidal.cli_help import DefaultsHelpFormatter
 from tidal.config import ServerArgs, default_model_path
+from tidal.cpus import cpu_flags as host_cpu_flags
+from tidal.cpus import simd_flags
 from tidal.model.attention import DECODE_PATHS
 from tidal.model.forward_batch import ForwardBatch, ForwardMode
 
@@ -182,13 +184,7 @@ def bench_prefill(sb: StepBench, tokens: int, chunk: int) -> dict:
 
 
 def cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next(line for line in f if line.startswith("flags")).split()
-    except (OSError, StopIteration):
-        return "unknown"
-    keep = [f for f in flags if f.startswith(("avx", "amx", "fma")) or f in ("f16c",)]
-    return " ".join(sorted(set(keep)))
+    return " ".join(simd_flags(host_cpu_flags())) or "unknown"
 
 
 def main(argv: Optional[list[str]] = None) -> None:

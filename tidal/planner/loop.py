@@ -42,9 +42,13 @@ def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:
 def load_cost_model(path: Optional[str]) -> Any:
     if not path:
         return None
-    from tidal.profile.cost import CostModel
+    from tidal.profile.cost import CostModel, host_mismatch
 
-    return CostModel.from_file(path)
+    cost = CostModel.from_file(path)
+    warning = host_mismatch(cost.profile)
+    if warning:
+        logger.warning("--planner-profile %s: %s", path, warning)
+    return cost
 
 
 def _summary(d: Decision) -> dict:

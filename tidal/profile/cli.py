@@ -46,6 +46,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     a("--prefill-tokens", type=int_list, default=[32, 128, 512, 2048], metavar="N,N,...",
       help="prompt lengths (tokens) whose prefill time is measured, one request at a time "
       "(default: 32,128,512,2048)")
+    a("--prefill-batches", type=int_list, default=[2, 4, 8], metavar="K,K,...",
+      help="numbers of prompts prefilled together in one step whose time is measured, each with every "
+      "--prefill-tokens length that one prefill step takes whole (chunked-prefill size); 1 measures none "
+      "(default: 2,4,8)")
     a("--decode-batches", type=int_list, default=[1, 4, 8, 16], metavar="B,B,...",
       help="numbers of concurrent requests whose decode step time is measured (default: 1,4,8,16)")
     a("--decode-contexts", type=int_list, default=[64, 512], metavar="L,L,...",
@@ -79,7 +83,8 @@ def run_profile_cli(ns: argparse.Namespace) -> int:
     from tidal.profile.schema import ProfileFormatError, save_profile
 
     keys_from_env(ns)
-    opts = Options(url=ns.url, prefill_tokens=ns.prefill_tokens, decode_batches=ns.decode_batches,
+    opts = Options(url=ns.url, prefill_tokens=ns.prefill_tokens, prefill_batches=ns.prefill_batches,
+                   decode_batches=ns.decode_batches,
                    decode_contexts=ns.decode_contexts, decode_tokens=ns.decode_tokens, repeats=ns.repeats,
                    timeout_s=ns.timeout_s, measure_switch=ns.measure_switch, decode_url=ns.decode_url,
                    api_key=ns.api_key,

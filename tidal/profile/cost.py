@@ -4,6 +4,14 @@ Every function interpolates piecewise-linearly between measured points and extra
 end segment linearly past either end; results are never below zero. Repeated points (the
 same x measured twice) are averaged.
 
+A prefill step of several prompts pays once what a step pays whatever its prompts (the
+shared part) and each prompt's own work, attention included, per prompt. The batch points give
+the shared part: k prompts of n tokens in T seconds against f(n) alone share
+s(n) = (k f(n) - T) / (k - 1), piecewise-linear in n; a step of lengths l_1..l_k then costs
+sum f(l_i) - (k - 1) s(mean l), which reproduces every measured batch point of a length
+measured at one batch size. A profile without batch points costs a step as one prompt of
+the total length (what it measured is a lone prompt).
+
 Decode is 2-D. Points are grouped into rows by batch size; within a row the step time is
 piecewise-linear in context_tokens (each row has its own measured contexts, since the
 total context grows with the batch). Between rows it is linear in the batch size, each row
@@ -16,8 +24,9 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
+from tidal.cpus import cpu_flags, simd_flags
 from tidal.profile.schema import MODES, Profile, load_profile, profile_from_dict
 
 
@@ -46,6 +55,9 @@ class CostModel:
     def __init__(self, profile: Profile):
         self.profile = profile
         self._prefill = _averaged((p.tokens, p.seconds) for p in profile.prefill)
+        self._prefill_shared = _averaged(
+            (p.tokens, (p.batch * self.prefill_seconds(p.tokens) - p.seconds) / (p.batch - 1))
+            for p in profile.prefill_batch)
         self._transfer = _averaged((p.tokens, p.seconds) for p in profile.kv_transfer)
         rows: dict[int, list[tuple[float, float]]] = defaultdict(list)
         for p in profile.decode:
@@ -70,6 +82,16 @@ class CostModel:
         if tokens <= 0:
             return 0.0
         return max(0.0, piecewise_linear(*self._prefill, tokens))
+
+    def prefill_step_seconds(self, lengths: Sequence[int]) -> float:
+        """One prefill step over prompts of these new (uncached) token counts; 0 for none."""
+        lens = [n for n in lengths if n > 0]
+        if len(lens) <= 1 or not self._prefill_shared[0]:
+            return self.prefill_seconds(sum(lens))
+        alone = [self.prefill_seconds(n) for n in lens]
+        shared = piecewise_linear(*self._prefill_shared, statistics.fmean(lens))
+        shared = min(max(shared, 0.0), min(alone))
+        return sum(alone) - (len(lens) - 1) * shared
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` running requests whose KV lengths sum to context_tokens."""
@@ -111,3 +133,17 @@ class CostModel:
     def max_running_requests(self) -> int:
         """The most requests one server decodes at once (0: the profile does not say)."""
         return self.profile.server.max_running_requests
+
+
+def host_mismatch(profile: Profile, host_flags: Optional[list[str]] = None) -> Optional[str]:
+    """A warning when the profile was measured on a CPU whose SIMD flags are not this host's
+    (other kernels, other speeds: a profile is a property of its host); None when they match
+    or either side is unknown."""
+    mine = set(simd_flags(cpu_flags() if host_flags is None else host_flags))
+    theirs = set(simd_flags(profile.server.cpu_flags))
+    if not mine or not theirs or mine == theirs:
+        return None
+    parts = [f"{label} {' '.join(sorted(flags))}" for label, flags in
+             (("it had", theirs - mine), ("it lacked", mine - theirs)) if flags]
+    return (f"the profile was measured on another CPU ({'; '.join(parts)} against this host); its times may not "
+            f"hold here: measure this host with `tidal profile`")

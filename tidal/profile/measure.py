@@ -6,6 +6,10 @@
   client's wall time. One warm-up per size, then the median of the repeats. Repeats run in
   rounds over the whole grid (here and for decode), so a slow spell on a shared host touches
   every point alike.
+- prefill_batch: K prompts of N tokens in one batch /generate (the scheduler takes them in one
+  step), for every K of --prefill-batches and N of --prefill-tokens with K x N within one
+  prefill step (the chunked-prefill size and --max-prefill-tokens); its time is the slowest
+  prompt's `e2e_latency`. Rounds and medians as for prefill.
 - decode: B concurrent streamed requests of L-token prompts with ignore_eos. The server
   exposes no per-step timing (scheduler/step_timing.py logs only at DEBUG, /metrics has a
   bucketed inter-token histogram), so the step time is the median client-side inter-token
@@ -41,11 +45,13 @@ from typing import Any, Callable, Optional
 import httpx
 
 from tidal.config import bearer_headers
+from tidal.cpus import cpu_flags
 from tidal.profile.schema import (
     VERSION,
     DecodePoint,
     Drain,
     KVTransferPoint,
+    PrefillBatchPoint,
     PrefillPoint,
     Profile,
     ServerInfo,
@@ -67,6 +73,7 @@ class Options:
     prefill_tokens: list[int]
     decode_batches: list[int]
     decode_contexts: list[int]
+    prefill_batches: list[int] = field(default_factory=lambda: [2, 4, 8])
     decode_tokens: int = 32
     repeats: int = 3
     timeout_s: float = 120.0
@@ -140,20 +147,8 @@ class ServerFacts:
     context_length: int
     max_input_tokens: int
     max_running_requests: int
+    prefill_step_tokens: int  # the most new tokens one prefill step takes
     bootstrap_port: Optional[int] = None
-
-
-def cpu_flags(path: str = "/proc/cpuinfo") -> list[str]:
-    """This host's CPU feature flags (the first processor's), sorted; [] where unreadable."""
-    try:
-        with open(path) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    return sorted(set(value.split()))
-    except OSError:
-        pass
-    return []
 
 
 def read_server(http: Http) -> ServerFacts:
@@ -179,7 +174,14 @@ def _server_facts(http: Http, info: dict, sched: dict) -> ServerFacts:
     return ServerFacts(server, str(info.get("disaggregation_mode", "null")),
                        bool(info.get("enable_dynamic_disaggregation")), int(sched["vocab_size"]),
                        int(sched["context_length"]), int(sched["max_req_input_len"]),
-                       int(sched["max_running_requests"]), info.get("disaggregation_bootstrap_port"))
+                       int(sched["max_running_requests"]), _prefill_step_tokens(info),
+                       info.get("disaggregation_bootstrap_port"))
+
+
+def _prefill_step_tokens(info: dict) -> int:
+    chunk = int(info.get("chunked_prefill_size") or -1)
+    most = int(info.get("max_prefill_tokens") or 0)
+    return min(chunk, most) if chunk > 0 and most > 0 else max(chunk, most, 0)
 
 
 def check_grid(opts: Options, facts: ServerFacts) -> None:
@@ -221,30 +223,64 @@ def random_prompt(rng: random.Random, tokens: int, vocab_size: int) -> list[int]
     return [rng.randrange(LOWEST_PROMPT_ID, vocab_size) for _ in range(tokens)]
 
 
-def prefill_once(http: Http, prompt: list[int]) -> float:
-    body = {"input_ids": prompt, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+def prefill_once(http: Http, prompts: list[list[int]]) -> float:
+    """Seconds to prefill these prompts sent as one request: the slowest one's `e2e_latency`
+    (arrival in the API process to its first token), else the client's wall time."""
+    ids: Any = prompts if len(prompts) > 1 else prompts[0]
+    body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
     t0 = time.perf_counter()
     out = http.call("POST", "/generate", body)
     wall = time.perf_counter() - t0
-    meta = out.get("meta_info", {}) if isinstance(out, dict) else {}
-    return float(meta.get("e2e_latency", wall))
+    replies = out if isinstance(out, list) else [out]
+    e2e = [r.get("meta_info", {}).get("e2e_latency") if isinstance(r, dict) else None for r in replies]
+    if len(e2e) != len(prompts) or any(x is None for x in e2e):
+        return wall
+    return max(float(x) for x in e2e)
+
+
+def _median_rounds(http: Http, opts: Options, cells: list[tuple[int, int]], vocab_size: int,
+                   rng: random.Random) -> dict[tuple[int, int], float]:
+    """(batch, tokens) -> median seconds: a warm-up per cell, then `repeats` rounds over every cell
+    (so a slow spell on a shared host touches every cell alike)."""
+    def once(batch: int, tokens: int) -> float:
+        return prefill_once(http, [random_prompt(rng, tokens, vocab_size) for _ in range(batch)])
+
+    for cell in cells:
+        once(*cell)
+    times: dict[tuple[int, int], list[float]] = {cell: [] for cell in cells}
+    for _ in range(opts.repeats):
+        for cell in cells:
+            times[cell].append(once(*cell))
+    return {cell: statistics.median(t) for cell, t in times.items()}
 
 
 def measure_prefill(http: Http, opts: Options, vocab_size: int, rng: random.Random) -> list[PrefillPoint]:
-    """A warm-up per length, then `repeats` rounds over every length (so a slow spell on a shared
-    host touches every length alike); the median per length."""
-    sizes = sorted(set(opts.prefill_tokens))
-    for n in sizes:
-        prefill_once(http, random_prompt(rng, n, vocab_size))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    for _ in range(opts.repeats):
-        for n in sizes:
-            times[n].append(prefill_once(http, random_prompt(rng, n, vocab_size)))
+    medians = _median_rounds(http, opts, [(1, n) for n in sorted(set(opts.prefill_tokens))], vocab_size, rng)
     points = []
-    for n in sizes:
-        seconds = statistics.median(times[n])
+    for (_, n), seconds in medians.items():
         opts.log(f"prefill {n} tokens: {seconds * 1000:.1f} ms")
         points.append(PrefillPoint(tokens=n, seconds=round(seconds, 6)))
+    return points
+
+
+def prefill_batch_cells(opts: Options, facts: ServerFacts) -> list[tuple[int, int]]:
+    """(batch, tokens) for every batch of --prefill-batches above 1 and every prefill length whose
+    batch one prefill step takes whole and the server runs at once."""
+    return [(k, n) for k in sorted(set(opts.prefill_batches)) if 1 < k <= facts.max_running_requests
+            for n in sorted(set(opts.prefill_tokens)) if k * n <= facts.prefill_step_tokens]
+
+
+def measure_prefill_batches(http: Http, opts: Options, facts: ServerFacts,
+                            rng: random.Random) -> list[PrefillBatchPoint]:
+    cells = prefill_batch_cells(opts, facts)
+    if not cells:
+        opts.notes.append("prefill_batch not measured: no batch of --prefill-batches fits one prefill step "
+                          f"({facts.prefill_step_tokens} tokens); a batch costs as one prompt of its total length")
+        return []
+    points = []
+    for (k, n), seconds in _median_rounds(http, opts, cells, facts.vocab_size, rng).items():
+        opts.log(f"prefill {k} x {n} tokens in one step: {seconds * 1000:.1f} ms")
+        points.append(PrefillBatchPoint(batch=k, tokens=n, seconds=round(seconds, 6)))
     return points
 
 
@@ -503,6 +539,7 @@ def _measure(http: Http, decode: Optional[Http], opts: Options, facts: ServerFac
         else:
             opts.notes.append("switch and drain not measured (pass --measure-switch)")
         prefill = measure_prefill(http, opts, facts.vocab_size, rng)
+        prefill_batch = measure_prefill_batches(http, opts, facts, rng)
         steps = measure_decode(http, opts, facts.vocab_size, rng)
         if decode is not None:
             switch_to(http, "prefill")
@@ -517,7 +554,7 @@ def _measure(http: Http, decode: Optional[Http], opts: Options, facts: ServerFac
         opts.notes.append("kv_transfer not measured: [] (pass --decode-url with --measure-switch; the cost model "
                           "treats a hand-off as free)")
     return Profile(version=VERSION, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   server=facts.info, prefill=prefill, decode=steps, kv_transfer=transfers, switch=switches,
+                   server=facts.info, prefill=prefill, prefill_batch=prefill_batch, decode=steps, kv_transfer=transfers, switch=switches,
                    drain=drain)
 
 

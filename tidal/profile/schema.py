@@ -3,7 +3,7 @@
 Unknown fields and out-of-range values are refused on load, with the JSON path of the first
 offender in the message (`ProfileFormatError`). What a hand-written profile (a test's) may
 leave out has a default: measured_at, the server's descriptive fields (not max_total_tokens),
-kv_transfer and switch ([]), drain (null). `save_profile` always writes every field.
+prefill_batch, kv_transfer and switch ([]), drain (null). `save_profile` always writes every field.
 """
 
 from __future__ import annotations
@@ -49,6 +49,13 @@ class PrefillPoint(_Struct):
     seconds: NonNegativeFloat
 
 
+class PrefillBatchPoint(_Struct):
+    """`batch` prompts of `tokens` new tokens each, prefilled together in one step."""
+    batch: Annotated[int, msgspec.Meta(ge=2)]
+    tokens: PositiveInt
+    seconds: NonNegativeFloat
+
+
 class DecodePoint(_Struct):
     batch: PositiveInt
     context_tokens: NonNegativeInt
@@ -76,6 +83,7 @@ class Profile(_Struct, kw_only=True):
     measured_at: str = ""
     server: ServerInfo
     prefill: list[PrefillPoint]
+    prefill_batch: list[PrefillBatchPoint] = []
     decode: list[DecodePoint]
     kv_transfer: list[KVTransferPoint] = []
     switch: list[SwitchPoint] = []

@@ -255,10 +255,12 @@ class TokenizerManager:
         if self.ready is None:
             raise ApiError("The server is starting up.", 503)
 
-    def _send(self, msg: Any) -> None:
+    def _send(self, *msgs: Any) -> None:
+        """Several messages go as one multipart message: ZMQ delivers its parts together, so the
+        scheduler reads a batch's requests in the same iteration and can prefill them in one step."""
         self._check_alive()
         try:
-            self._push.send(encode(msg), zmq.NOBLOCK)
+            self._push.send_multipart([encode(m) for m in msgs], zmq.NOBLOCK)
         except zmq.ZMQError as e:
             self.mark_dead(f"send failed: {e}")
             self._check_alive()
@@ -465,11 +467,11 @@ class TokenizerManager:
         states = [self._new_state(r, group or r.rid, event, text_in_logprobs, internal) for r in reqs]
         for state in states:
             self._states[state.rid] = state
-            try:
-                self._send(state.req)
-            except BaseException:  # nothing may stay registered: the rids must be reusable
-                self.abort_states(states)
-                raise
+        try:
+            self._send(*(state.req for state in states))
+        except BaseException:  # nothing may stay registered: the rids must be reusable
+            self.abort_states(states)
+            raise
         return states
 
     def _new_state(self, req: GenerateReq, group: str, event: asyncio.Event,

@@ -13,9 +13,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from typing import Any, Sequence
 
 from tidal.planner.decide import has_path
+from tidal.profile.cost import host_mismatch
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import percentile
@@ -107,6 +109,9 @@ def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
     if not ns.bench_json:
         raise SystemExit("tidal sim calibrate: --bench-json is required")
     k, p, d = calibrate_layout(ns)
+    warning = host_mismatch(cost.profile)
+    if warning:  # the live run was on this host
+        print(f"warning: --profile {ns.profile}: {warning}", file=sys.stderr)
     threads = cost.profile.server.torch_threads or 1
     cfg = SimConfig(null=k, prefill=p, decode=d, policy=ns.policy, seed=ns.seed, host_cores=ns.host_cores,
                     instance_threads=threads)

@@ -172,14 +172,13 @@ class SimInstance:
             return None
         admitted = {id(r) for r in adder.can_run_list}
         self.waiting = [r for r in self.waiting if id(r) not in admitted]
-        tokens = 0
         for r in adder.can_run_list:
             r.req_pool_idx = 0
-            tokens += r.extend_input_len
             self.kv_used += r.extend_input_len
             r.kv_len += r.extend_input_len
         self.chunked = adder.new_chunked_req
-        return Step("prefill", adder.can_run_list, self.chunked, self.cost.prefill_seconds(tokens))
+        seconds = self.cost.prefill_step_seconds([r.extend_input_len for r in adder.can_run_list])
+        return Step("prefill", adder.can_run_list, self.chunked, seconds)
 
     def _decode_step(self) -> Optional[Step]:
         if not self.running:
