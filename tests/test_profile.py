@@ -85,6 +85,7 @@ def test_a_prefill_step_of_several_prompts_shares_what_its_batch_points_measured
     # 2 x 200 in 2.6 s share 0.4
     cm = CostModel.from_dict(make_profile(prefill_batch=[{"batch": 4, "tokens": 100, "seconds": 3.1},
                                                          {"batch": 2, "tokens": 200, "seconds": 2.6}]))
+    assert cm.prefill_shared_seconds(100) == pytest.approx(0.3) and cm.prefill_shared_seconds(150) == pytest.approx(0.35)
     assert cm.prefill_step_seconds([100] * 4) == pytest.approx(3.1)
     assert cm.prefill_step_seconds([200, 200]) == pytest.approx(2.6)
     assert cm.prefill_step_seconds([100, 200]) == pytest.approx(1.0 + 1.5 - 0.35)  # shared at the mean, 150
@@ -96,6 +97,7 @@ def test_a_prefill_step_of_several_prompts_shares_what_its_batch_points_measured
 def test_without_batch_points_a_prefill_step_costs_one_prompt_of_its_total_length():
     cm = CostModel.from_dict(make_profile())
     assert cm.prefill_step_seconds([100, 200]) == pytest.approx(cm.prefill_seconds(300)) == pytest.approx(2.5)
+    assert cm.prefill_shared_seconds(100) == 0.0 and not cm.has_prefill_batches
 
 
 def test_a_prefill_batch_never_costs_less_than_its_slowest_prompt_alone():

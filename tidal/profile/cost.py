@@ -86,12 +86,23 @@ class CostModel:
     def prefill_step_seconds(self, lengths: Sequence[int]) -> float:
         """One prefill step over prompts of these new (uncached) token counts; 0 for none."""
         lens = [n for n in lengths if n > 0]
-        if len(lens) <= 1 or not self._prefill_shared[0]:
+        if len(lens) <= 1 or not self.has_prefill_batches:
             return self.prefill_seconds(sum(lens))
         alone = [self.prefill_seconds(n) for n in lens]
-        shared = piecewise_linear(*self._prefill_shared, statistics.fmean(lens))
-        shared = min(max(shared, 0.0), min(alone))
+        shared = min(self.prefill_shared_seconds(statistics.fmean(lens)), min(alone))
         return sum(alone) - (len(lens) - 1) * shared
+
+    @property
+    def has_prefill_batches(self) -> bool:
+        return bool(self._prefill_shared[0])
+
+    def prefill_shared_seconds(self, tokens: float) -> float:
+        """What a prefill step of prompts of about `tokens` new tokens each pays once, however many
+        it holds (between 0 and one such prompt's time alone); 0 without batch points."""
+        if tokens <= 0 or not self.has_prefill_batches:
+            return 0.0
+        shared = piecewise_linear(*self._prefill_shared, tokens)
+        return min(max(shared, 0.0), self.prefill_seconds(int(tokens)))
 
     def decode_step_seconds(self, batch: int, context_tokens: int) -> float:
         """One decode step of `batch` running requests whose KV lengths sum to context_tokens."""
