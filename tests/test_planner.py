@@ -650,3 +650,17 @@ def test_on_bursty_long_prompts_more_prefill_workers_rank_higher():
 
     assert caps(bursty) == sorted(caps(bursty)) and caps(bursty)[0] < caps(bursty)[-1]
     assert all(b < e for b, e in zip(caps(bursty), caps(even)))
+
+
+def test_a_committed_target_is_kept_while_it_stays_near_the_best():
+    """Long prompts at 20/s: 61:3 is the best layout (2.42x the rate), 60:4 1% and 56:8 8% below it. A walk
+    toward 60:4 keeps its target (the model cannot tell them apart); one toward 56:8 turns to 61:3."""
+    traffic = Traffic(arrival_rate=20, mean_input_tokens=1000, mean_output_tokens=20)
+    targets = {}
+    for decode in (4, 8):
+        state = PlannerState()
+        state.committed = {NULL: 0, PREFILL: 64 - decode, DECODE: decode}
+        d = decide(NOW, cfg(max_concurrent_moves=2), state, layout(32, 32, 0), traffic, COST)
+        assert d.kind == "move", d.reason
+        targets[decode] = d.target.pools
+    assert targets == {4: {NULL: 0, PREFILL: 60, DECODE: 4}, 8: {NULL: 0, PREFILL: 61, DECODE: 3}}
