@@ -85,7 +85,8 @@ def test_a_prefill_step_of_several_prompts_shares_what_its_batch_points_measured
     # 2 x 200 in 2.6 s share 0.4
     cm = CostModel.from_dict(make_profile(prefill_batch=[{"batch": 4, "tokens": 100, "seconds": 3.1},
                                                          {"batch": 2, "tokens": 200, "seconds": 2.6}]))
-    assert cm.prefill_shared_seconds(100) == pytest.approx(0.3) and cm.prefill_shared_seconds(150) == pytest.approx(0.35)
+    assert cm.prefill_shared_seconds(100) == pytest.approx(0.3)
+    assert cm.prefill_shared_seconds(150) == pytest.approx(0.35)
     assert cm.prefill_step_seconds([100] * 4) == pytest.approx(3.1)
     assert cm.prefill_step_seconds([200, 200]) == pytest.approx(2.6)
     assert cm.prefill_step_seconds([100, 200]) == pytest.approx(1.0 + 1.5 - 0.35)  # shared at the mean, 150
@@ -290,8 +291,8 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     try:
         assert not errors, f"a server did not start: {errors}"
         s, d = servers
-        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--prefill-batches", "2,16", "--decode-batches", "1,2", "--decode-contexts",
-                "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
+        grid = ["--output", str(out), "--prefill-tokens", "16,256", "--prefill-batches", "2,16",
+                "--decode-batches", "1,2", "--decode-contexts", "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
         refused = [profile_cmd(s.url, *grid),  # a prefill-mode server without --measure-switch
                    profile_cmd(s.url, *grid, "--measure-switch", "--decode-batches", "1,100"),
                    profile_cmd(d.url, *grid, "--measure-switch")]  # not switchable

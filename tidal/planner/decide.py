@@ -5,7 +5,8 @@ with the window's mix of prompt and answer lengths, at which the layout is predi
 both SLOs (the goodput notion, per layout). Every interval `decide` computes it for the layouts
 the cluster could take (workers per mode: every layout up to GRID_FULL workers, a coarse grid
 refined around its best one beyond), picks the best as its target (among near-ties, the fewest
-moves away; a committed target stays while it is within NEAR_BEST of the best, `kept_target`) and, when the target's capacity beats the layout the cluster is heading for by the
+moves away; a committed target stays while it is within NEAR_BEST of the best, `kept_target`)
+and, when the target's capacity beats the layout the cluster is heading for by the
 hysteresis (relative), starts one move toward it: the legal single move whose layout predicts
 best, ties to the worker with least to drain. The next intervals continue toward the target
 while it stays the best layout (`PlannerState.committed`: without the hysteresis again, which

@@ -554,8 +554,8 @@ def _measure(http: Http, decode: Optional[Http], opts: Options, facts: ServerFac
         opts.notes.append("kv_transfer not measured: [] (pass --decode-url with --measure-switch; the cost model "
                           "treats a hand-off as free)")
     return Profile(version=VERSION, measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                   server=facts.info, prefill=prefill, prefill_batch=prefill_batch, decode=steps, kv_transfer=transfers, switch=switches,
-                   drain=drain)
+                   server=facts.info, prefill=prefill, prefill_batch=prefill_batch, decode=steps,
+                   kv_transfer=transfers, switch=switches, drain=drain)
 
 
 def _restore_quietly(http: Http, opts: Options, original: str) -> None:
