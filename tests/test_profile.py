@@ -73,6 +73,19 @@ def test_extrapolation_never_goes_below_zero():
     assert cm.decode_step_seconds(3, 5000) == pytest.approx(0.09)
 
 
+def test_a_step_past_the_largest_batch_grows_with_the_batch_not_faster():
+    # the 2026-11-25 profile's rows: a line through batches 8 and 16 at 64 x 528 tokens gave 1.24 s, the
+    # server measured 0.35 s
+    cm = CostModel.from_dict(make_profile(decode=[
+        {"batch": 8, "context_tokens": 640, "step_seconds": 0.0514},
+        {"batch": 8, "context_tokens": 4224, "step_seconds": 0.0593},
+        {"batch": 16, "context_tokens": 1280, "step_seconds": 0.0786},
+        {"batch": 16, "context_tokens": 8448, "step_seconds": 0.1239}]))
+    at_528 = [cm.decode_step_seconds(b, b * 528) for b in (8, 16)]
+    assert cm.decode_step_seconds(64, 64 * 528) == pytest.approx(at_528[1] + 6 * (at_528[1] - at_528[0]))
+    assert cm.decode_step_seconds(64, 64 * 528) < 0.6
+
+
 def test_repeated_points_are_averaged():
     cm = CostModel.from_dict(make_profile(prefill=[{"tokens": 100, "seconds": 1.0}, {"tokens": 100, "seconds": 2.0},
                                                    {"tokens": 300, "seconds": 3.5}]))
@@ -108,6 +121,21 @@ def test_a_prefill_batch_never_costs_less_than_its_slowest_prompt_alone():
     assert cm.prefill_step_seconds([100, 104]) == pytest.approx(cm.prefill_seconds(104))
 
 
+@pytest.mark.parametrize("max_running, kv_tokens, batches", [
+    (64, 470657, [1, 4, 8, 16, 32, 64]),  # the default server on a 2-core CPU box
+    (48, 470657, [1, 4, 8, 16, 32, 48]),
+    (64, 10000, [1, 4, 8, 16, 18]),  # 18 runs of 544 tokens fill the KV pool
+    (1, 470657, [1]),
+])
+def test_the_default_decode_grid_reaches_the_servers_largest_batch(max_running, kv_tokens, batches):
+    from tidal.profile.measure import ServerFacts, default_decode_batches
+    from tidal.profile.schema import ServerInfo
+    facts = ServerFacts(info=ServerInfo(max_total_tokens=kv_tokens, max_running_requests=max_running), mode="null",
+                        switchable=False, vocab_size=49152, context_length=8192, max_input_tokens=8000,
+                        max_running_requests=max_running, prefill_step_tokens=2048)
+    assert default_decode_batches(facts, longest=512 + 32) == batches
+
+
 def test_decode_is_bilinear_on_the_measured_grid():
     cm = CostModel.from_dict(make_profile())
     assert cm.decode_step_seconds(1, 200) == pytest.approx(0.020)  # on row 1, halfway
@@ -116,8 +144,10 @@ def test_decode_is_bilinear_on_the_measured_grid():
     assert cm.decode_step_seconds(2, 300) == pytest.approx(0.025)
     # batch 2, context 600: row 1 extrapolated 0.010 + 500 * 0.0001 = 0.060, row 3 0.035 -> 0.0475
     assert cm.decode_step_seconds(2, 600) == pytest.approx(0.0475)
-    # batch 5 (past the last row), context 900: rows give 0.090 and 0.050; slope -0.02 per batch -> 0.010
-    assert cm.decode_step_seconds(5, 900) == pytest.approx(0.010)
+    # batch 5 (past the last row), context 900 (180 per request): the rows at 180 and 540 tokens give 0.018 and
+    # 0.032; +0.007 per batch -> 0.046 (at the same total context the rows gave 0.090 and 0.050: 0.010, a
+    # step cheaper than batch 3's)
+    assert cm.decode_step_seconds(5, 900) == pytest.approx(0.046)
 
 
 def test_decode_reproduces_a_linear_cost_exactly_inside_and_outside_the_grid():

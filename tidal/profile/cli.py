@@ -50,8 +50,10 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
       help="numbers of prompts prefilled together in one step whose time is measured, each with every "
       "--prefill-tokens length that one prefill step takes whole (chunked-prefill size); 1 measures none "
       "(default: 2,4,8)")
-    a("--decode-batches", type=int_list, default=[1, 4, 8, 16], metavar="B,B,...",
-      help="numbers of concurrent requests whose decode step time is measured (default: 1,4,8,16)")
+    a("--decode-batches", type=int_list, default=[], metavar="B,B,...",
+      help="numbers of concurrent requests whose decode step time is measured (default: 1,4,8 and doubling up "
+      "to the server's max running requests, e.g. 1,4,8,16,32,64: past the largest batch measured the cost "
+      "model assumes a step grows in proportion to the batch)")
     a("--decode-contexts", type=int_list, default=[64, 512], metavar="L,L,...",
       help="prompt length (tokens) of each request in the decode runs; the profile records the batch's "
       "total KV length (default: 64,512)")

@@ -71,7 +71,7 @@ class ProfileError(Exception):
 class Options:
     url: str
     prefill_tokens: list[int]
-    decode_batches: list[int]
+    decode_batches: list[int]  # [] = default_decode_batches(the server's facts)
     decode_contexts: list[int]
     prefill_batches: list[int] = field(default_factory=lambda: [2, 4, 8])
     decode_tokens: int = 32
@@ -182,6 +182,18 @@ def _prefill_step_tokens(info: dict) -> int:
     chunk = int(info.get("chunked_prefill_size") or -1)
     most = int(info.get("max_prefill_tokens") or 0)
     return min(chunk, most) if chunk > 0 and most > 0 else max(chunk, most, 0)
+
+
+def default_decode_batches(facts: ServerFacts, longest: int) -> list[int]:
+    """1, 4, 8, then doubling up to the server's max running requests (itself the last point), each batch's
+    longest run fitting in the KV pool: the cost model should not have to extrapolate past the batches the
+    server runs (from batch 16 an extrapolated step was 2-3.5x the measured one at 32 and 64)."""
+    top = min(facts.max_running_requests, facts.info.max_total_tokens // max(1, longest))
+    out, b = [], 1
+    while b < top:
+        out.append(b)
+        b = 4 if b == 1 else 2 * b
+    return out + [max(1, top)]
 
 
 def check_grid(opts: Options, facts: ServerFacts) -> None:
@@ -504,6 +516,8 @@ def restore_mode(http: Http, original: str) -> None:
 
 
 def check_options(opts: Options, facts: ServerFacts) -> None:
+    if not opts.decode_batches:
+        opts.decode_batches = default_decode_batches(facts, max(opts.decode_contexts) + opts.decode_tokens)
     check_grid(opts, facts)
     if opts.measure_switch and not facts.switchable:
         raise ProfileError("--measure-switch needs a server started with --enable-dynamic-disaggregation")
