@@ -322,7 +322,8 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
         assert not errors, f"a server did not start: {errors}"
         s, d = servers
         grid = ["--output", str(out), "--prefill-tokens", "16,256", "--prefill-batches", "2,16",
-                "--decode-batches", "1,2", "--decode-contexts", "16", "--decode-tokens", "8", "--repeats", "1", "--timeout-s", "60"]
+                "--decode-batches", "1,2", "--decode-contexts", "16", "--decode-tokens", "8", "--repeats", "1",
+                "--timeout-s", "60"]
         refused = [profile_cmd(s.url, *grid),  # a prefill-mode server without --measure-switch
                    profile_cmd(s.url, *grid, "--measure-switch", "--decode-batches", "1,100"),
                    profile_cmd(d.url, *grid, "--measure-switch")]  # not switchable

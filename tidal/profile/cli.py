@@ -53,7 +53,7 @@ def add_profile_args(p: argparse.ArgumentParser) -> None:
     a("--decode-batches", type=int_list, default=[], metavar="B,B,...",
       help="numbers of concurrent requests whose decode step time is measured (default: 1,4,8 and doubling up "
       "to the server's max running requests, e.g. 1,4,8,16,32,64: past the largest batch measured the cost "
-      "model assumes a step grows in proportion to the batch)")
+      "model only extrapolates, along the line through the two largest at the same context per request)")
     a("--decode-contexts", type=int_list, default=[64, 512], metavar="L,L,...",
       help="prompt length (tokens) of each request in the decode runs; the profile records the batch's "
       "total KV length (default: 64,512)")
