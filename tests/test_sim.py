@@ -14,7 +14,8 @@ from tidal.profile.cost import CostModel
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.goodput import search_rate
 from tidal.sim.instance import Limits
-from tidal.sim.workload import CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, make_workload
+from tidal.sim.workload import (CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, make_workload, phase_period,
+                                 virtual_span)
 
 
 FIXED_PROFILE = os.path.join(os.path.dirname(__file__), "data", "profile_2core_2026-11-24a.json")
@@ -257,15 +258,51 @@ def test_shift_alternates_long_prompts_and_long_answers():
     assert CODE_LIKE[0] > CHAT_LIKE[0] and CHAT_LIKE[1] > CODE_LIKE[1]
 
 
-def test_azure_shift_takes_each_trace_in_turn_and_scales_like_the_others():
+def test_azure_shift_takes_each_trace_in_turn_and_on_the_trace_clock_scales_like_the_others():
     mixed = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60))
     code = make_workload(WorkloadSpec(name="azure-code", duration_s=240))
     conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=240))
     assert mixed == [r for r in code if r.arrival < 60] + [r for r in conv if 60 <= r.arrival < 120] + \
         [r for r in code if 120 <= r.arrival < 180] + [r for r in conv if 180 <= r.arrival < 240]
-    fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5))
+    assert make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, phase_clock="trace")) == mixed
+    fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5,
+                                      phase_clock="trace"))
     assert [r.input_tokens for r in fast] == [r.input_tokens for r in mixed]
     assert [r.arrival * 2.5 for r in fast] == pytest.approx([r.arrival for r in mixed])
+
+
+def test_on_the_wall_clock_phases_keep_their_length_and_a_higher_rate_replays_more_trace():
+    """Scale 2.5 on the wall clock: 60-s phases at every rate, each replaying 150 s of its trace (from 2.5
+    times the phase's start) 2.5 times as fast; the run still lasts 240 virtual seconds."""
+    spec = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5)
+    fast = make_workload(spec)
+    assert virtual_span(spec) == 240 and phase_period(spec) == 60
+    assert fast == sorted(fast, key=lambda r: r.arrival) and 230 < fast[-1].arrival < 240
+    code = make_workload(WorkloadSpec(name="azure-code", duration_s=600))
+    conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=600))
+    for k, trace in enumerate((code, conv, code, conv)):
+        window = [r for r in trace if 150 * k <= r.arrival < 150 * (k + 1)]
+        got = [r for r in fast if 60 * k <= r.arrival < 60 * (k + 1)]
+        assert [(r.input_tokens, r.output_tokens) for r in got] == [(r.input_tokens, r.output_tokens) for r in window]
+        assert [r.arrival for r in got] == pytest.approx([60 * k + (r.arrival - 150 * k) / 2.5 for r in window])
+    trace_clock = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5, phase_clock="trace")
+    assert virtual_span(trace_clock) == 96 and phase_period(trace_clock) == 24
+
+
+def test_a_phase_longer_than_its_trace_wraps_around_it_as_often_as_needed():
+    code = make_workload(WorkloadSpec(name="azure-code", duration_s=4000))
+    period = code[-1].arrival  # the shipped code trace spans about an hour
+    phase = make_workload(WorkloadSpec(name="azure-shift", duration_s=100, phase_s=100, rate_scale=3 * period / 100))
+    assert len(phase) == pytest.approx(3 * len(code), abs=3)  # three laps of the trace in one phase
+    assert all(0 <= r.arrival < 100 for r in phase) and phase == sorted(phase, key=lambda r: r.arrival)
+
+
+def test_the_synthetic_shift_on_the_wall_clock_brings_more_requests_at_a_higher_rate():
+    slow = make_workload(WorkloadSpec(name="shift", duration_s=600, phase_s=100))
+    fast = make_workload(WorkloadSpec(name="shift", duration_s=600, phase_s=100, rate_scale=4))
+    assert 3.3 < len(fast) / len(slow) < 4.7 and fast[-1].arrival < 600 and fast[-1].arrival > 590
+    with pytest.raises(ValueError, match="phase clock"):
+        make_workload(WorkloadSpec(name="shift", phase_clock="tide"))
 
 
 def test_phase_rate_ratio_plays_the_chat_phases_faster():

@@ -17,7 +17,7 @@ from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import plot, report
-from tidal.sim.workload import WORKLOADS, WorkloadSpec, make_workload, virtual_span
+from tidal.sim.workload import PHASE_CLOCKS, WORKLOADS, WorkloadSpec, make_workload, phase_period, virtual_span
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
                                "smollm2_cpu_2core.json")
@@ -45,14 +45,20 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="arrival rate multiplier: the trace's clock is divided by it (default: 1)")
     p.add_argument("--duration-s", type=float, default=300.0,
-                   help="seconds of workload at rate scale 1: the run's arrivals span duration / rate scale "
-                        "virtual seconds (default: 300)")
+                   help="azure-code|azure-conv, and the shifting mixes with --phase-clock trace: seconds of workload "
+                        "at rate scale 1 (the run's arrivals span duration / rate scale virtual seconds); the "
+                        "shifting mixes with --phase-clock wall: virtual seconds at every rate (default: 300)")
     p.add_argument("--phase-s", type=float, default=120.0,
-                   help="shift / azure-shift: seconds per phase at rate scale 1 (phase-s / rate-scale virtual "
-                        "seconds) (default: 120)")
+                   help="shift / azure-shift: seconds per phase, on the --phase-clock (default: 120)")
+    p.add_argument("--phase-clock", choices=PHASE_CLOCKS, default="wall",
+                   help="shift / azure-shift: wall: --phase-s and --duration-s are virtual seconds at every rate "
+                        "(the mix shifts every phase-s seconds of the cluster's time; a higher rate brings more "
+                        "requests); trace: seconds of workload at rate scale 1, divided by the rate scale like the "
+                        "single traces (the same requests at every rate, shorter phases at higher rates) "
+                        "(default: wall)")
     p.add_argument("--phase-rate-ratio", type=float, default=1.0,
                    help="shift / azure-shift: the chat phases run this many times as fast as the code phases "
-                        "(azure-shift replays ratio x phase-s seconds of the conversation trace per phase), so "
+                        "(azure-shift replays ratio x as much of the conversation trace per phase), so "
                         "that both kinds of phase can load the cluster alike (default: 1)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="prompt and output token counts multiplied by this (default: 1)")
@@ -124,7 +130,8 @@ def load_cost(path: str) -> Any:
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
     return WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
                         duration_s=ns.duration_s, phase_s=ns.phase_s, length_scale=ns.length_scale,
-                        trace=ns.trace, seed=ns.seed, phase_rate_ratio=ns.phase_rate_ratio)
+                        trace=ns.trace, seed=ns.seed, phase_rate_ratio=ns.phase_rate_ratio,
+                        phase_clock=ns.phase_clock)
 
 
 def limits(ns: argparse.Namespace) -> Limits:
@@ -154,12 +161,13 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
              cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
     """One run; mode: static, sla (the planner) or phases (--phase-layouts)."""
     schedule = phase_layouts(ns) if mode == "phases" else ()
+    spec = workload_spec(ns, rate_scale)
     planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode="static" if schedule else mode)
     cfg = SimConfig(null=null, prefill=prefill, decode=decode, planner=planner, policy=ns.policy, seed=ns.seed,
                     stop_after_miss_fraction=stop_after_miss, host_cores=ns.host_cores,
                     instance_threads=cost.profile.server.torch_threads or 1, phase_layouts=schedule,
-                    phase_period_s=ns.phase_s / rate_scale)
-    trace = make_workload(workload_spec(ns, rate_scale))
+                    phase_period_s=phase_period(spec))
+    trace = make_workload(spec)
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
 

@@ -4,23 +4,32 @@
   (CC-BY 4.0, attribution in its README): its first `duration_s` seconds, arrivals divided
   by the rate scale (the same requests at every scale, so a goodput search compares like
   with like; the run lasts duration_s / rate_scale virtual seconds);
-- shift: synthetic Poisson arrivals (1 request/s at scale 1, same scaling) alternating every
-  `phase_s` seconds (of the workload's own clock: phase_s / rate_scale virtual seconds)
-  between a code-like mix (long prompts, short answers) and a chat-like mix (short prompts,
-  long answers);
-- azure-shift: the two Azure traces alternating every `phase_s` seconds of trace clock (code
-  first), then divided by the rate scale like the others.
+- shift: synthetic Poisson arrivals (1 request/s at scale 1, times the rate scale) alternating every
+  `phase_s` seconds between a code-like mix (long prompts, short answers) and a chat-like mix
+  (short prompts, long answers);
+- azure-shift: the two Azure traces alternating every `phase_s` seconds (code first), each phase
+  replaying its trace at the rate scale.
+
+Two clocks for the shifting mixes (`phase_clock`):
+- "wall" (default): `phase_s` and `duration_s` are virtual seconds at every rate scale: the mix
+  shifts every `phase_s` seconds of the cluster's time, as a service's traffic does, and a higher
+  rate brings more requests in the same time. An azure-shift phase k replays the trace seconds
+  [k * phase_s * scale, (k + 1) * phase_s * scale) of its trace (wrapping around its end as often
+  as needed), played `scale` times as fast.
+- "trace": `phase_s` and `duration_s` are seconds of workload at rate scale 1, then divided by the
+  rate scale like the single traces: the same requests at every rate, phases shorter as the rate
+  rises (at 64 instances a 480-s phase lasts ~27 virtual seconds at the rates they serve, shorter
+  than the planner's window).
 
 `phase_rate_ratio` R (shift, azure-shift) runs the second kind of phase R times as fast as the
-first: a chat phase of azure-shift replays R * phase_s seconds of the conversation trace (from
-R times the phase's start, wrapping around the trace's end) in phase_s. The two traces cost very
-different amounts per request (at the same rate a code phase saturates a cluster that a
-conversation phase leaves mostly idle); R makes both phases load it alike, the case where one
-static split cannot suit both.
+first: a chat phase of azure-shift replays R times as much of the conversation trace in the same
+time (from R times the phase's start). The two traces cost very different amounts per request (at
+the same rate a code phase saturates a cluster that a conversation phase leaves mostly idle); R
+makes both phases load it alike, the case where one static split cannot suit both.
 
-Every workload gives the same requests at every rate scale, only closer together: the
-goodput search's attainment then moves with the rate alone, not with which slice of a
-bursty trace a rate happens to pick.
+The single traces give the same requests at every rate scale, only closer together: the goodput
+search's attainment then moves with the rate alone, not with which slice of a bursty trace a rate
+happens to pick.
 
 Deterministic: the same seed gives the same requests.
 """
@@ -36,6 +45,7 @@ from typing import Optional
 from tidal.bench.datasets import load_azure_trace, resolve_trace_file
 
 WORKLOADS = ("azure-code", "azure-conv", "shift", "azure-shift")
+PHASE_CLOCKS = ("wall", "trace")
 # one hour of trace at most: the shipped files hold 8,819 (code) and 19,366 (conv) rows
 MAX_TRACE_ROWS = 20000
 # the synthetic mixes at rate scale 1, requests per second, and their lengths (lognormal medians)
@@ -62,6 +72,7 @@ class WorkloadSpec:
     trace: Optional[str] = None  # a CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or the trace directory
     seed: int = 0
     phase_rate_ratio: float = 1.0  # shift / azure-shift: the chat phases' rate over the code phases'
+    phase_clock: str = "wall"  # shift / azure-shift: "wall" (phase_s, duration_s virtual) or "trace" (at scale 1)
 
 
 def _scaled(n: int, scale: float) -> int:
@@ -86,46 +97,59 @@ def replay(rows: list[tuple[float, int, int]], spec: WorkloadSpec, start: float 
     return out
 
 
+def clock_divisor(spec: WorkloadSpec) -> float:
+    """Virtual seconds = the workload's own seconds (phase_s, duration_s) divided by this."""
+    if spec.name in ("shift", "azure-shift") and spec.phase_clock == "wall":
+        return 1.0
+    return spec.rate_scale
+
+
 def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
+    speed = spec.rate_scale / clock_divisor(spec)  # arrivals per workload second, relative to scale 1
     out, t = [], 0.0
     while True:
         chat = int(t // spec.phase_s) % 2 == 1
-        t += rng.expovariate(SHIFT_BASE_RATE * (spec.phase_rate_ratio if chat else 1.0))
+        t += rng.expovariate(SHIFT_BASE_RATE * speed * (spec.phase_rate_ratio if chat else 1.0))
         if t >= spec.duration_s:
             return out
         prompt, output = CODE_LIKE if int(t // spec.phase_s) % 2 == 0 else CHAT_LIKE
-        out.append(TraceRequest(t / spec.rate_scale,
+        out.append(TraceRequest(t / clock_divisor(spec),
                                 _scaled(rng.lognormvariate(math.log(prompt), LENGTH_SIGMA), spec.length_scale),
                                 _scaled(rng.lognormvariate(math.log(output), LENGTH_SIGMA), spec.length_scale)))
 
 
-def compressed_window(rows: list[tuple[float, int, int]], start: float, span: float, ratio: float,
+def compressed_window(rows: list[tuple[float, int, int]], start: float, span: float, speed: float,
                       phase_start: float, spec: WorkloadSpec) -> list[TraceRequest]:
-    """The rows of trace seconds [start, start + span * ratio) (wrapping around the trace's last row),
-    their clock divided by `ratio`, placed from `phase_start`, then divided by the rate scale."""
+    """The rows of trace seconds [start, start + span * speed) (wrapping around the trace's last row as
+    often as that takes), their clock divided by `speed`, placed from `phase_start` (workload seconds),
+    then divided by the clock divisor."""
     period = rows[-1][0] if rows and rows[-1][0] > 0 else 1.0
+    length = span * speed
+    first = start % period
+    laps = math.ceil((length + first) / period)  # lap 0 from `first` to the trace's end, then whole laps
     out = []
-    for base in (start % period - period, start % period):  # the window may wrap once past the end
+    for lap in reversed(range(laps)):
         for t, prompt, output in rows:
-            offset = t - base
-            if 0 <= offset < span * ratio:
-                out.append(TraceRequest((phase_start + offset / ratio) / spec.rate_scale,
+            offset = t - first + lap * period
+            if 0 <= offset < length:
+                out.append(TraceRequest((phase_start + offset / speed) / clock_divisor(spec),
                                         _scaled(prompt, spec.length_scale), _scaled(output, spec.length_scale)))
     return sorted(out, key=lambda r: r.arrival)
 
 
 def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
-    """Phase k from the code trace (k even: trace seconds [k * phase_s, (k + 1) * phase_s)) or the conv
-    trace (k odd: [R k phase_s, R (k + 1) phase_s) played R times as fast), then the clock divided by the
-    rate scale."""
+    """Phase k from the code trace (k even) or the conv trace (k odd, R times as fast): the trace seconds
+    [s k phase_s, s (k + 1) phase_s) played s times as fast, s = R x the rate scale on the wall clock
+    (R on the trace clock, whose workload seconds are then divided by the rate scale)."""
     traces = (_trace_rows("azure-code", None), _trace_rows("azure-conv", None))
+    clock_speed = spec.rate_scale / clock_divisor(spec)
     out: list[TraceRequest] = []
     k = 0
     while k * spec.phase_s < spec.duration_s:
         span = min(spec.phase_s, spec.duration_s - k * spec.phase_s)
-        ratio = spec.phase_rate_ratio if k % 2 else 1.0
-        out += compressed_window(traces[k % 2], k * spec.phase_s * ratio, span, ratio, k * spec.phase_s, spec)
+        speed = clock_speed * (spec.phase_rate_ratio if k % 2 else 1.0)
+        out += compressed_window(traces[k % 2], k * spec.phase_s * speed, span, speed, k * spec.phase_s, spec)
         k += 1
     return out
 
@@ -135,6 +159,8 @@ def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
         raise ValueError("--rate-scale must be positive")
     if spec.phase_rate_ratio <= 0:
         raise ValueError("--phase-rate-ratio must be positive")
+    if spec.phase_clock not in PHASE_CLOCKS:
+        raise ValueError(f"unknown phase clock {spec.phase_clock!r}: expected one of {', '.join(PHASE_CLOCKS)}")
     if spec.name in ("azure-code", "azure-conv"):
         return replay(_trace_rows(spec.name, spec.trace), spec)
     if spec.name == "shift":
@@ -146,4 +172,9 @@ def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
 
 def virtual_span(spec: WorkloadSpec) -> float:
     """Virtual seconds over which the workload's requests arrive."""
-    return spec.duration_s / spec.rate_scale
+    return spec.duration_s / clock_divisor(spec)
+
+
+def phase_period(spec: WorkloadSpec) -> float:
+    """Virtual seconds per phase of a shifting mix."""
+    return spec.phase_s / clock_divisor(spec)
