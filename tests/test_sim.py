@@ -272,19 +272,24 @@ def test_azure_shift_takes_each_trace_in_turn_and_on_the_trace_clock_scales_like
 
 
 def test_on_the_wall_clock_phases_keep_their_length_and_a_higher_rate_replays_more_trace():
-    """Scale 2.5 on the wall clock: 60-s phases at every rate, each replaying 150 s of its trace (from 2.5
-    times the phase's start) 2.5 times as fast; the run still lasts 240 virtual seconds."""
+    """Scale 2.5 on the wall clock: 60-s phases at every rate, each replaying 150 s of its trace (from the
+    phase's start on the trace's clock) 2.5 times as fast; the run still lasts 240 virtual seconds."""
     spec = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5)
     fast = make_workload(spec)
     assert virtual_span(spec) == 240 and phase_period(spec) == 60
     assert fast == sorted(fast, key=lambda r: r.arrival) and 230 < fast[-1].arrival < 240
     code = make_workload(WorkloadSpec(name="azure-code", duration_s=600))
     conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=600))
+    slow = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=1.5))
     for k, trace in enumerate((code, conv, code, conv)):
-        window = [r for r in trace if 150 * k <= r.arrival < 150 * (k + 1)]
+        window = [r for r in trace if 60 * k <= r.arrival < 60 * k + 150]
         got = [r for r in fast if 60 * k <= r.arrival < 60 * (k + 1)]
         assert [(r.input_tokens, r.output_tokens) for r in got] == [(r.input_tokens, r.output_tokens) for r in window]
-        assert [r.arrival for r in got] == pytest.approx([60 * k + (r.arrival - 150 * k) / 2.5 for r in window])
+        assert [r.arrival for r in got] == pytest.approx([60 * k + (r.arrival - 60 * k) / 2.5 for r in window])
+        # a lower rate: the same requests from the phase's start, fewer of them, further apart
+        fewer = [(r.input_tokens, r.output_tokens) for r in slow if 60 * k <= r.arrival < 60 * (k + 1)]
+        assert 0 < len(fewer) <= len(got) and fewer == [(r.input_tokens, r.output_tokens) for r in got][:len(fewer)]
+    assert len(slow) < len(fast)
     trace_clock = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5, phase_clock="trace")
     assert virtual_span(trace_clock) == 96 and phase_period(trace_clock) == 24
 
