@@ -346,6 +346,21 @@ def test_cli_writes_json_and_png(tmp_path):
     assert d["pools"][0] == {"t": 0.0, "null": 0, "prefill": 3, "decode": 3, "moving": 0}
 
 
+def test_a_shifting_mix_reports_attainment_per_phase(tmp_path):
+    """5 prefill servers and 1 decode server at 3 requests/s: the code-like phase is served, the chat-like
+    phase after it overloads the decode server."""
+    d = sim_json(tmp_path, "phases", "--instances", "6", "--prefill", "5", "--decode", "1", "--workload", "shift",
+                 "--phase-s", "60", "--rate-scale", "3", "--duration-s", "240", "--length-scale", "0.25",
+                 "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    s = d["summary"]
+    phases = s["slo_attainment_by_phase"]
+    assert [p["start_s"] for p in phases] == [0, 60, 120, 180]
+    assert sum(p["requests"] for p in phases) == s["requests"]
+    met = sum(p["requests"] * p["slo_attainment"] for p in phases)
+    assert met / s["requests"] == pytest.approx(s["slo_attainment"], abs=1e-5)
+    assert phases[0]["slo_attainment"] > 0.95 and phases[1]["slo_attainment"] < 0.5
+
+
 def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
     d = sim_json(tmp_path, "goodput", "goodput", "--instances", "3", "--workload", "azure-conv",
                  "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200",

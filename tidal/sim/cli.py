@@ -202,7 +202,9 @@ def run_sim(ns: argparse.Namespace) -> int:
         return 0
     k, p, d = layout(ns)
     c = simulate(ns, k, p, d, "phases" if ns.phase_layouts else ns.planner, ns.rate_scale, cost, planner_cost)
-    write_json(report(c, run_config(ns), virtual_span(workload_spec(ns))), ns.output)
+    spec = workload_spec(ns)
+    phases = phase_period(spec) if ns.workload in ("shift", "azure-shift") else None
+    write_json(report(c, run_config(ns), virtual_span(spec), phases), ns.output)
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
                          f"{ns.instances} instances, planner {ns.planner}")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 from tidal.bench.plot import save_figure
 from tidal.sim.engine import Cluster
@@ -56,9 +56,27 @@ def moves(c: Cluster) -> list[dict]:
     return out
 
 
-def report(c: Cluster, config: dict, duration_s: float) -> dict:
-    return {"config": config, "summary": summary(c, duration_s), "pools": c.pools, "moves": moves(c),
-            "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
+def by_phase(c: Cluster, phase_s: float) -> list[dict]:
+    """SLO attainment of the requests arriving in each phase of a shifting mix (its first virtual second)."""
+    out: list[dict] = []
+    for r in c.requests:
+        k = int(r.arrival // phase_s)
+        while len(out) <= k:
+            out.append({"phase": len(out), "start_s": round(len(out) * phase_s, 6), "requests": 0, "met": 0})
+        out[k]["requests"] += 1
+        out[k]["met"] += r.outcome == "finished" and c.meets_slo(r)
+    for p in out:
+        p["slo_attainment"] = round(p.pop("met") / p["requests"], 6) if p["requests"] else None
+    return out
+
+
+def report(c: Cluster, config: dict, duration_s: float, phase_s: Optional[float] = None) -> dict:
+    """The run's JSON; `phase_s` (a shifting mix's virtual phase length) adds the attainment per phase."""
+    out = {"config": config, "summary": summary(c, duration_s), "pools": c.pools, "moves": moves(c),
+           "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
+    if phase_s:
+        out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s)
+    return out
 
 
 def plot(c: Cluster, path: str, title: str = "") -> str:
