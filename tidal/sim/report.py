@@ -57,7 +57,7 @@ def moves(c: Cluster) -> list[dict]:
 
 
 def by_phase(c: Cluster, phase_s: float) -> list[dict]:
-    """SLO attainment of the requests arriving in each phase of a shifting mix (its first virtual second)."""
+    """SLO attainment of the requests by the phase of a shifting mix they arrived in (phase k from k x phase_s)."""
     out: list[dict] = []
     for r in c.requests:
         k = int(r.arrival // phase_s)
