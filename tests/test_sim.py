@@ -196,6 +196,19 @@ def test_phase_layouts_follow_the_phases_with_every_move_at_once(tmp_path):
     assert max(p["moving"] for p in d["pools"]) >= 3  # moved together, not one per interval
 
 
+@pytest.mark.parametrize("clock, first_moves, not_then", [("wall", [0, 60, 120, 180], [25, 50, 75]),
+                                                           ("trace", [0, 25, 50, 75], [60, 120, 180])])
+def test_phase_layouts_follow_the_phases_of_the_clock(tmp_path, clock, first_moves, not_then):
+    """At rate scale 2.5, 60-s phases last 60 virtual seconds on the wall clock and 24 on the trace clock;
+    the phase layouts turn at the first planner tick (every 5 s) of each."""
+    d = sim_json(tmp_path, clock, "--instances", "4", "--null", "4", "--workload", "shift", "--phase-s", "60",
+                 "--duration-s", "240", "--length-scale", "0.25", "--phase-layouts", "3:1:0,0:0:4",
+                 "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200", "--rate-scale", "2.5", "--phase-clock", clock)
+    starts = sorted({round(m["started"]) for m in d["moves"]})
+    assert [t for t in first_moves if t in starts] == first_moves
+    assert [t for t in starts if t % 5] == [] and not set(not_then) & set(starts)
+
+
 def test_phase_layouts_are_checked(capsys):
     with pytest.raises(SystemExit, match="must add up to --instances 4"):
         main(["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
