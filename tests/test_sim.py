@@ -214,6 +214,18 @@ def test_phase_layouts_are_checked(capsys):
         main(["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
 
 
+@pytest.mark.parametrize("flag, value", [("--phase-s", "0"), ("--phase-s", "-5"), ("--duration-s", "0"),
+                                         ("--duration-s", "-10"), ("--rate-scale", "0"), ("--phase-rate-ratio", "0"),
+                                         ("--phase-s", "nan")])
+@pytest.mark.parametrize("workload", ["azure-shift", "shift"])
+def test_a_workload_that_cannot_be_made_is_an_error_naming_its_flag(workload, flag, value):
+    """Before: --phase-s 0 looped for ever on azure-shift, --duration-s 0 divided by zero after the run."""
+    with pytest.raises(SystemExit, match=f"tidal sim: error: {flag} must be a positive number"):
+        main(["sim", "--instances", "2", "--workload", workload, flag, value])
+    with pytest.raises(SystemExit, match=f"{flag} must be a positive number"):
+        main(["sim", "goodput", "--instances", "2", "--workload", workload, flag, value])
+
+
 def test_planner_starts_the_moves_toward_its_target_together(tmp_path):
     """With --planner-max-concurrent-moves 3 the moves toward one target start in the same interval
     (the live loop decides until it holds, as the simulator does), never more than 3 in flight."""
@@ -372,6 +384,7 @@ def test_a_shifting_mix_reports_attainment_per_phase(tmp_path):
     met = sum(p["requests"] * p["slo_attainment"] for p in phases)
     assert met / s["requests"] == pytest.approx(s["slo_attainment"], abs=1e-5)
     assert phases[0]["slo_attainment"] > 0.95 and phases[1]["slo_attainment"] < 0.5
+    assert [p["mix"] for p in phases] == ["code-like", "chat-like", "code-like", "chat-like"]
 
 
 def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):

@@ -17,7 +17,8 @@ from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import plot, report
-from tidal.sim.workload import PHASE_CLOCKS, WORKLOADS, WorkloadSpec, make_workload, phase_period, virtual_span
+from tidal.sim.workload import (PHASE_CLOCKS, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, make_workload, phase_period,
+                                virtual_span)
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
                                "smollm2_cpu_2core.json")
@@ -189,6 +190,10 @@ def write_json(obj: Any, path: Optional[str]) -> None:
 
 
 def run_sim(ns: argparse.Namespace) -> int:
+    try:
+        check(workload_spec(ns))
+    except ValueError as e:
+        raise SystemExit(f"tidal sim: error: {e}") from None
     cost = load_cost(ns.profile)
     planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
     if ns.action == "calibrate":
@@ -203,9 +208,10 @@ def run_sim(ns: argparse.Namespace) -> int:
     k, p, d = layout(ns)
     c = simulate(ns, k, p, d, "phases" if ns.phase_layouts else ns.planner, ns.rate_scale, cost, planner_cost)
     spec = workload_spec(ns)
-    phases = phase_period(spec) if ns.workload in ("shift", "azure-shift") else None
-    write_json(report(c, run_config(ns), virtual_span(spec), phases), ns.output)
+    mixes = PHASE_MIXES.get(ns.workload, ("", ""))
+    phases = phase_period(spec) if ns.workload in PHASE_MIXES else None
+    write_json(report(c, run_config(ns), virtual_span(spec), phases, mixes), ns.output)
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
-                         f"{ns.instances} instances, planner {ns.planner}")
+                         f"{ns.instances} instances, planner {ns.planner}", phases, mixes)
     return 0

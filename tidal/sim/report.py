@@ -56,13 +56,15 @@ def moves(c: Cluster) -> list[dict]:
     return out
 
 
-def by_phase(c: Cluster, phase_s: float) -> list[dict]:
-    """SLO attainment of the requests by the phase of a shifting mix they arrived in (phase k from k x phase_s)."""
+def by_phase(c: Cluster, phase_s: float, mixes: tuple[str, str]) -> list[dict]:
+    """SLO attainment of the requests by the phase of a shifting mix they arrived in (phase k from k x phase_s;
+    `mixes`: the names of the even and the odd phases' mix)."""
     out: list[dict] = []
     for r in c.requests:
         k = int(r.arrival // phase_s)
         while len(out) <= k:
-            out.append({"phase": len(out), "start_s": round(len(out) * phase_s, 6), "requests": 0, "met": 0})
+            out.append({"phase": len(out), "mix": mixes[len(out) % 2], "start_s": round(len(out) * phase_s, 6),
+                        "requests": 0, "met": 0})
         out[k]["requests"] += 1
         out[k]["met"] += r.outcome == "finished" and c.meets_slo(r)
     for p in out:
@@ -70,17 +72,20 @@ def by_phase(c: Cluster, phase_s: float) -> list[dict]:
     return out
 
 
-def report(c: Cluster, config: dict, duration_s: float, phase_s: Optional[float] = None) -> dict:
+def report(c: Cluster, config: dict, duration_s: float, phase_s: Optional[float] = None,
+           mixes: tuple[str, str] = ("", "")) -> dict:
     """The run's JSON; `phase_s` (a shifting mix's virtual phase length) adds the attainment per phase."""
     out = {"config": config, "summary": summary(c, duration_s), "pools": c.pools, "moves": moves(c),
            "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
     if phase_s:
-        out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s)
+        out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s, mixes)
     return out
 
 
-def plot(c: Cluster, path: str, title: str = "") -> str:
-    """Pool sizes over time; each request's TTFT and TPOT against its SLO, by arrival time."""
+def plot(c: Cluster, path: str, title: str = "", phase_s: Optional[float] = None,
+         mixes: tuple[str, str] = ("", "")) -> str:
+    """Pool sizes over time; each request's TTFT and TPOT against its SLO, by arrival time; a shifting
+    mix's odd phases shaded."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -103,8 +108,19 @@ def plot(c: Cluster, path: str, title: str = "") -> str:
         ax.set_yscale("log")
         ax.set_ylabel(label)
         ax.legend(loc="upper right")
-    axes[2].set_xlabel("virtual time (s)")
+    if phase_s:
+        _shade_phases(axes, c, phase_s, mixes)
+    axes[2].set_xlabel("virtual time (s); latencies at each request's arrival")
     return save_figure(fig, path, title)
+
+
+def _shade_phases(axes: Any, c: Cluster, phase_s: float, mixes: tuple[str, str]) -> None:
+    end = max([c.now] + [r.arrival for r in c.requests])
+    for k in range(1, int(end // phase_s) + 1, 2):
+        for i, ax in enumerate(axes):
+            ax.axvspan(k * phase_s, (k + 1) * phase_s, color="tab:purple", alpha=0.08,
+                       label=f"{mixes[1]} phases" if i == 0 and k == 1 and mixes[1] else None)
+    axes[0].legend(loc="upper right")
 
 
 def _pools(ax: Any, c: Cluster) -> None:

@@ -49,6 +49,7 @@ from tidal.bench.datasets import load_azure_trace, resolve_trace_file
 
 WORKLOADS = ("azure-code", "azure-conv", "shift", "azure-shift")
 PHASE_CLOCKS = ("wall", "trace")
+PHASE_MIXES = {"shift": ("code-like", "chat-like"), "azure-shift": ("code", "conversation")}  # even, odd phases
 # one hour of trace at most: the shipped files hold 8,819 (code) and 19,366 (conv) rows
 MAX_TRACE_ROWS = 20000
 # the synthetic mixes at rate scale 1, requests per second, and their lengths (lognormal medians)
@@ -159,13 +160,19 @@ def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
     return out
 
 
-def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
-    if spec.rate_scale <= 0:
-        raise ValueError("--rate-scale must be positive")
-    if spec.phase_rate_ratio <= 0:
-        raise ValueError("--phase-rate-ratio must be positive")
+def check(spec: WorkloadSpec) -> None:
+    """ValueError naming the flag when the spec cannot make a workload."""
+    for flag, value in (("--rate-scale", spec.rate_scale), ("--duration-s", spec.duration_s),
+                        ("--phase-s", spec.phase_s), ("--phase-rate-ratio", spec.phase_rate_ratio),
+                        ("--length-scale", spec.length_scale)):
+        if not value > 0 or math.isinf(value):
+            raise ValueError(f"{flag} must be a positive number, not {value:g}")
     if spec.phase_clock not in PHASE_CLOCKS:
         raise ValueError(f"unknown phase clock {spec.phase_clock!r}: expected one of {', '.join(PHASE_CLOCKS)}")
+
+
+def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
+    check(spec)
     if spec.name in ("azure-code", "azure-conv"):
         return replay(_trace_rows(spec.name, spec.trace), spec)
     if spec.name == "shift":
