@@ -190,8 +190,9 @@ def write_json(obj: Any, path: Optional[str]) -> None:
 
 
 def run_sim(ns: argparse.Namespace) -> int:
+    spec = workload_spec(ns)
     try:
-        check(workload_spec(ns))
+        check(spec)
     except ValueError as e:
         raise SystemExit(f"tidal sim: error: {e}") from None
     cost = load_cost(ns.profile)
@@ -207,7 +208,6 @@ def run_sim(ns: argparse.Namespace) -> int:
         return 0
     k, p, d = layout(ns)
     c = simulate(ns, k, p, d, "phases" if ns.phase_layouts else ns.planner, ns.rate_scale, cost, planner_cost)
-    spec = workload_spec(ns)
     mixes = PHASE_MIXES.get(ns.workload, ("", ""))
     phases = phase_period(spec) if ns.workload in PHASE_MIXES else None
     write_json(report(c, run_config(ns), virtual_span(spec), phases, mixes), ns.output)

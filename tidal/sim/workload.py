@@ -103,14 +103,15 @@ def replay(rows: list[tuple[float, int, int]], spec: WorkloadSpec, start: float 
 
 def clock_divisor(spec: WorkloadSpec) -> float:
     """Virtual seconds = the workload's own seconds (phase_s, duration_s) divided by this."""
-    if spec.name in ("shift", "azure-shift") and spec.phase_clock == "wall":
+    if spec.name in PHASE_MIXES and spec.phase_clock == "wall":
         return 1.0
     return spec.rate_scale
 
 
 def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
     rng = random.Random(spec.seed)
-    speed = spec.rate_scale / clock_divisor(spec)  # arrivals per workload second, relative to scale 1
+    divisor = clock_divisor(spec)
+    speed = spec.rate_scale / divisor  # arrivals per workload second, relative to scale 1
     out, t = [], 0.0
     while True:
         chat = int(t // spec.phase_s) % 2 == 1
@@ -118,7 +119,7 @@ def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
         if t >= spec.duration_s:
             return out
         prompt, output = CODE_LIKE if int(t // spec.phase_s) % 2 == 0 else CHAT_LIKE
-        out.append(TraceRequest(t / clock_divisor(spec),
+        out.append(TraceRequest(t / divisor,
                                 _scaled(rng.lognormvariate(math.log(prompt), LENGTH_SIGMA), spec.length_scale),
                                 _scaled(rng.lognormvariate(math.log(output), LENGTH_SIGMA), spec.length_scale)))
 
@@ -132,12 +133,13 @@ def compressed_window(rows: list[tuple[float, int, int]], start: float, span: fl
     length = span * speed
     first = start % period
     laps = math.ceil((length + first) / period)  # lap 0 from `first` to the trace's end, then whole laps
+    divisor = clock_divisor(spec)
     out = []
     for lap in reversed(range(laps)):
         for t, prompt, output in rows:
             offset = t - first + lap * period
             if 0 <= offset < length:
-                out.append(TraceRequest((phase_start + offset / speed) / clock_divisor(spec),
+                out.append(TraceRequest((phase_start + offset / speed) / divisor,
                                         _scaled(prompt, spec.length_scale), _scaled(output, spec.length_scale)))
     return sorted(out, key=lambda r: r.arrival)
 
