@@ -127,6 +127,24 @@ def test_an_overloaded_layout_is_not_held_by_the_reversal_cooldown():
             assert d.current.capacity > 0 and d.kind == "hold" and "cooldown" in d.reason, d.reason
 
 
+def test_an_overloaded_layout_is_not_held_by_the_workers_own_cooldowns():
+    """Every prefill worker moved in 5 s ago (a walk toward a code-like mix) and now the decode pool is swamped
+    by a chat-like one: overloaded, a worker goes back inside its own cooldown; not overloaded, the cooldown
+    holds it; a failed move's backoff holds it either way."""
+    traffic = Traffic(arrival_rate=0.5, mean_input_tokens=100, mean_output_tokens=200)
+    c = cfg(tpot_slo_s=0.06, worker_cooldown_s=60.0)
+    for running, failed, moves in ((60, False, True), (20, False, False), (60, True, False)):
+        state = PlannerState()
+        for i in range(3):
+            state.started(NOW - 10, f"http://prefill{i}", DECODE, PREFILL)
+            state.finished(NOW - 5, f"http://prefill{i}", not failed, c)
+        d = decide(NOW, c, state, layout(3, 1, 0, decode={"running_reqs": running}), traffic, COST)
+        if moves:
+            assert d.kind == "move" and (d.src, d.dst) == (PREFILL, DECODE) and "overloaded" in d.reason, d.reason
+        else:
+            assert d.kind == "hold" and ("worker cooldown" in d.reason or "backoff" in d.reason), d.reason
+
+
 def test_moves_the_same_way_go_on_inside_the_cooldown():
     """A worker just went decode -> prefill and prefill still starves: the next one follows at once."""
     c, state = cfg(cooldown_s=30.0), PlannerState()

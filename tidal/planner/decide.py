@@ -18,8 +18,8 @@ small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by tod
 It never:
 - moves a worker back the way a move went inside the cooldown after that move started or
   ended (no move into a pool that lost a worker, nor out of one that gained a worker, in the
-  last `cooldown_s`), unless overloaded (the layout it heads for misses the SLOs at every rate,
-  and the target meets them at today's), nor moves a worker again inside its own cooldown;
+  last `cooldown_s`), nor moves a worker again inside its own cooldown, unless overloaded (the
+  layout it heads for misses the SLOs at every rate, and the target meets them at today's);
 - starts a move with `max_concurrent_moves` moves already in flight;
 - shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
 - leaves no usable path: with no null worker, both a prefill and a decode worker must remain;
@@ -120,8 +120,9 @@ class PlannerState:
                 return f"cooldown after a move {f.src}->{f.dst}, {left:.1f} s left"
         return ""
 
-    def worker_blocked(self, now: float, url: str, cfg: PlannerConfig) -> str:
-        """Why this worker may not move now ("" when it may)."""
+    def worker_blocked(self, now: float, url: str, cfg: PlannerConfig, overloaded: bool = False) -> str:
+        """Why this worker may not move now ("" when it may). `overloaded`: its own cooldown yields (a failed
+        move's backoff does not)."""
         if url in self.in_flight:
             return "moving"
         m = self.workers.get(url)
@@ -129,7 +130,7 @@ class PlannerState:
             return ""
         if now < m.retry_at:
             return f"backoff after {m.failures} failed move(s), {m.retry_at - now:.1f} s left"
-        if m.last_move_at is not None and now < m.last_move_at + cfg.per_worker_cooldown_s:
+        if not overloaded and m.last_move_at is not None and now < m.last_move_at + cfg.per_worker_cooldown_s:
             return f"worker cooldown, {m.last_move_at + cfg.per_worker_cooldown_s - now:.1f} s left"
         return ""
 
@@ -344,7 +345,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
     out = []
     for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
-        blocked = state.worker_blocked(now, w.url, cfg)
+        blocked = state.worker_blocked(now, w.url, cfg, overloaded)
         for dst in MODES:
             if dst == w.mode:
                 continue
