@@ -10,7 +10,8 @@ import pytest
 
 from tidal.planner.decide import PlannerState, decide, pool_counts
 from tidal.planner.schema import DECODE, NULL, PREFILL, PlannerConfig, Traffic, WorkerLoad
-from tidal.planner.window import Observation, StreamTally, TrafficWindow, body_token_counts, stream_observation
+from tidal.planner.window import (Observation, StreamTally, TrafficWindow, body_token_counts, censored_mean,
+                                  stream_observation)
 from tidal.profile.cost import CostModel
 
 KV = 65536
@@ -285,15 +286,47 @@ def test_window_rate_lengths_and_latencies():
     assert w.traffic(40.0).arrival_rate == 0 and w.traffic(40.0).completed == 0
 
 
+def test_censored_mean_counts_open_requests_as_longer_than_so_far():
+    assert censored_mean([1, 3], []) == pytest.approx(2)  # nothing open: the plain mean
+    assert censored_mean([], []) == 0
+    # one of three still open after 100 tokens: the two finished at 5 keep 1/3 surviving to 101
+    assert censored_mean([5, 5], [100]) == pytest.approx(5 + 96 / 3)
+    assert censored_mean([5, 5], [2]) == pytest.approx(5)  # open but shorter than every end: no information
+
+
+def test_first_window_mean_answer_counts_the_requests_still_streaming():
+    """A filling cluster's first completions are its shortest answers; the open requests' tokens so far say
+    the rest are longer. Tickets dropped without completion (a failed request) stop counting."""
+    w = TrafficWindow(window_s=30.0, started_at=0.0)
+    tickets = [w.arrival(k * 0.1) for k in range(40)]
+    for k, ticket in enumerate(tickets[:20]):
+        w.completion(3.0, Observation(path="pd", prompt_tokens=50, completion_tokens=10, arrived_at=k * 0.1),
+                     ticket)
+    for ticket in tickets[20:]:
+        ticket.tokens = 150
+    assert w.traffic(4.0).mean_output_tokens == pytest.approx(10 + 0.5 * 141)
+    assert w.traffic(31.0).mean_output_tokens == pytest.approx(10)  # past the first window: the finished alone
+    del tickets[20:], ticket  # the open ones fail: only the finished remain
+    assert w.traffic(4.0).mean_output_tokens == pytest.approx(10)
+    few = TrafficWindow(window_s=30.0, started_at=0.0)
+    held = [few.arrival(0.0) for _ in range(10)]
+    few.completion(1.0, Observation(path="pd", prompt_tokens=50, completion_tokens=10, arrived_at=0.0), held[0])
+    for ticket in held[1:]:
+        ticket.tokens = 500
+    assert few.traffic(2.0).mean_output_tokens == pytest.approx(10)  # too few finished: completions alone
+
+
 def test_token_counts_from_answers_and_streams():
     assert body_token_counts(b'{"text":"x","meta_info":{"prompt_tokens":7,"completion_tokens":3}}') == (7, 3)
     assert body_token_counts(b'{"usage":{"prompt_tokens":5,"completion_tokens":2}}') == (5, 2)
     assert body_token_counts(b'[{"meta_info":{"prompt_tokens":1,"completion_tokens":2}},'
                              b'{"meta_info":{"prompt_tokens":3,"completion_tokens":4}}]') == (4, 6)
     assert body_token_counts(b"not json") == (0, 0)
-    tally = StreamTally(first_at=10.0)
+    ticket = TrafficWindow(window_s=10.0, started_at=0.0).arrival(9.5)
+    tally = StreamTally(first_at=10.0, ticket=ticket)
     for k in range(1, 5):
         tally.feed(b'data: {"meta_info":{"prompt_tokens":9,"completion_tokens":%d}}\n\n' % k)
+        assert ticket.tokens == k  # the open request's answer so far
     tally.feed(b"data: [DONE]\n\n")
     obs = stream_observation("pd", 9.5, tally, 10.3)
     assert (obs.prompt_tokens, obs.completion_tokens) == (9, 4)

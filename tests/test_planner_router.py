@@ -56,6 +56,7 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
         assert len(moved) == 1 and moved[0].epoch == 1
         send_traffic(r, 2)  # still served, now by the new layout
         time.sleep(1.0)  # a few more intervals: the decode pool is at its minimum, nothing else moves
+        assert len(r.state.planner.window.open) == 0  # every request's ticket closed as it ended
         status = httpx.get(r.url + "/planner/status").json()
         metrics = httpx.get(r.url + "/metrics").text
     assert sum(w.switches for w in workers.values()) == 1
@@ -69,6 +70,29 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
     assert 'tidal_router:planner_moves_total{from="decode",outcome="ok",to="prefill"} 1.0' in metrics
     assert 'tidal_router:planner_predicted_ttft_seconds{pool="prefill"}' in metrics
     assert 'tidal_router:planner_decisions_total{kind="hold"}' in metrics
+
+
+def test_a_walk_of_two_moves_does_not_wait_an_interval_between_them(tmp_path):
+    """One move at a time and a 4-s interval: the second move toward 3P:1D starts as the first lands."""
+    ws = {name: MockWorker(role, name).start() for name, role in
+          (("p1", "prefill"), ("d1", "decode"), ("d2", "decode"), ("d3", "decode"))}
+    try:
+        ws["p1"].load = dict(STARVED)
+        cfg = PlannerConfig(mode="sla", ttft_slo_s=3.0, tpot_slo_s=0.1, interval_s=4.0, cooldown_s=0.3,
+                            worker_cooldown_s=0.3, max_concurrent_moves=1)
+        profile = tmp_path / "profile.json"
+        profile.write_text(json.dumps(PROFILE))
+        with RouterServer(prefill=[(ws["p1"].url, 8998)], decode=[ws[d].url for d in ("d1", "d2", "d3")],
+                          planner=cfg, planner_profile=str(profile)) as r:
+            send_traffic(r)
+            wait_for(lambda: len(r.state.registry.pool("prefill")) == 3, 20, "two workers moved to prefill")
+            status = httpx.get(r.url + "/planner/status").json()
+    finally:
+        for w in ws.values():
+            w.stop()
+    moves = sorted((d for d in status["decisions"] if d["kind"] == "move"), key=lambda d: d["at"])
+    assert len(moves) == 2 and all(m["outcome"] == "ok" for m in moves), moves
+    assert moves[1]["at"] - moves[0]["at"] < 2.0, [m["at"] for m in moves]
 
 
 def test_failed_switch_leaves_the_worker_and_is_not_retried_within_its_backoff(workers, tmp_path):

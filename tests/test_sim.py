@@ -237,6 +237,18 @@ def test_planner_starts_the_moves_toward_its_target_together(tmp_path):
     assert max(p["moving"] for p in d["pools"]) <= 3
 
 
+def test_a_move_that_lands_mid_walk_starts_the_next_one_at_once(tmp_path):
+    """With one move at a time, the walk toward a target does not wait for the next interval (5 s) after each
+    move: the next decision comes as the last move lands, as in the live loop."""
+    d = sim_json(tmp_path, "walk", "--instances", "8", "--workload", "shift", "--phase-s", "240", "--rate-scale",
+                 "4", "--duration-s", "240", "--length-scale", "0.25", "--planner", "sla",
+                 "--planner-max-concurrent-moves", "1", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    moves = d["moves"]
+    assert len(moves) >= 2 and moves[0]["started"] == 5.0, moves
+    assert all(m["outcome"] == "ok" for m in moves)
+    assert moves[1]["started"] == pytest.approx(moves[0]["ended"]) and moves[1]["started"] % 5, moves
+
+
 def test_planner_moves_toward_decode_in_a_chat_like_phase(tmp_path):
     d = sim_json(tmp_path, "chat", "--instances", "8", "--prefill", "6", "--decode", "2", "--workload", "shift",
                  "--phase-s", "120", "--rate-scale", "3", "--duration-s", "480", "--length-scale", "0.25",

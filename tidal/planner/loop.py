@@ -3,6 +3,8 @@
 Every `interval_s` it refreshes each worker's `/get_load`, reads the pools from the
 registry and the traffic from the window, decides, logs the decision, and runs a move
 through the router's drain-switch-verify path (`RoleMover.move_result`) in the background.
+A move that lands while a walk toward a target is unfinished starts the next round at once
+(the walk's next moves need not wait out the interval); rounds never overlap.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class PlannerLoop:
         self.last: Optional[Decision] = None
         self.last_loads: list[WorkerLoad] = []
         self._task: Optional[asyncio.Task] = None
+        self._walk: Optional[asyncio.Task] = None  # a round started by a move that landed mid-walk
         self._moves: set[asyncio.Task] = set()
+        self._round = asyncio.Lock()
 
     # ------------------------------------------------------------ lifecycle
 
@@ -81,7 +85,7 @@ class PlannerLoop:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
-        tasks = [t for t in (self._task, *self._moves) if t is not None]
+        tasks = [t for t in (self._task, self._walk, *self._moves) if t is not None]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -90,16 +94,28 @@ class PlannerLoop:
     async def _loop(self) -> None:
         while True:
             await asyncio.sleep(self.cfg.interval_s)
-            try:
-                await self.tick()
-            except Exception:  # one bad round never stops the planner
-                logger.exception("planner round failed")
+            await self._guarded_tick()
+
+    async def _guarded_tick(self) -> None:
+        try:
+            await self.tick()
+        except Exception:  # one bad round never stops the planner
+            logger.exception("planner round failed")
+
+    def _walk_on(self) -> None:
+        """A move landed and the target is still ahead: the next round starts now."""
+        if self.state.committed is not None and (self._walk is None or self._walk.done()):
+            self._walk = asyncio.get_running_loop().create_task(self._guarded_tick())
 
     # ------------------------------------------------------------ one interval
 
     async def tick(self) -> Decision:
-        """One interval: refresh every load, then decide until the planner holds; the moves toward one
+        """One round: refresh every load, then decide until the planner holds; the moves toward one
         target start together, up to --planner-max-concurrent-moves in flight. Returns the last decision."""
+        async with self._round:
+            return await self._tick()
+
+    async def _tick(self) -> Decision:
         registry: WorkerRegistry = self.st.registry
         await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
         now = self.clock()
@@ -128,6 +144,8 @@ class PlannerLoop:
         self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
         log = logger.info if ok else logger.warning
         log("planner: move %s %s->%s %s", d.url, d.src, d.dst, d.outcome)
+        if ok:
+            self._walk_on()
 
     def _record(self, d: Decision, traffic: Any) -> None:
         m = self.st.metrics

@@ -151,7 +151,8 @@ class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policies: dict[str, Policy],
                  session: aiohttp.ClientSession, metrics: RouterMetrics, observer: Any = None) -> None:
         self.cfg = cfg
-        self.observer = observer  # the planner's TrafficWindow: arrival(now), completion(now, Observation)
+        # the planner's TrafficWindow: arrival(now) -> ticket, completion(now, Observation, ticket), forget(ticket)
+        self.observer = observer
         self.registry = registry
         self.policies = policies  # per pool: PREFILL, DECODE, NULL
         self.session = session
@@ -183,8 +184,7 @@ class Dispatcher:
         stream = bool(body.get("stream"))
         text = request_text(route, body)
         started_at = time.monotonic()
-        if self.observer is not None:
-            self.observer.arrival(started_at)
+        ticket = self.observer.arrival(started_at) if self.observer is not None else None
         tried: set[str] = set()
         last: Optional[Failure] = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -200,7 +200,7 @@ class Dispatcher:
                 out = await self._whole_attempt(route, body, first, stream, auth)
             if isinstance(out, Response):
                 self.metrics.requests.labels(route, str(out.status_code)).inc()
-                self._observe(PD_PATH if kind == "pd" else NULL_PATH, started_at, out)
+                self._observe(PD_PATH if kind == "pd" else NULL_PATH, started_at, out, ticket)
                 return out
             last = out
             tried.update(w.url for w in (first, second) if w is not None)
@@ -208,27 +208,35 @@ class Dispatcher:
                 break
             self.metrics.retries.labels(out.leg.worker.url, out.leg.role).inc()
             logger.info("retrying %s after %s", route, out.leg.describe())
+        if self.observer is not None:
+            self.observer.forget(ticket)
         resp = last.response() if last is not None else self._unavailable()
         self.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
-    def _observe(self, path: str, started_at: float, out: Response) -> None:
-        """Tell the planner's window how a successful request went (a stream: once it ends)."""
-        if self.observer is None or not 200 <= out.status_code < 300:
+    def _observe(self, path: str, started_at: float, out: Response, ticket: Any) -> None:
+        """Tell the planner's window how a successful request went (a stream: as it goes, and once it ends)."""
+        if self.observer is None:
+            return
+        if not 200 <= out.status_code < 300:
+            self.observer.forget(ticket)
             return
         if isinstance(out, RelayResponse):
-            tally = out.tally = StreamTally(time.monotonic())
+            tally = out.tally = StreamTally(time.monotonic(), ticket)
 
             def ended(completed: bool) -> None:
                 if completed:
                     now = time.monotonic()
-                    self.observer.completion(now, stream_observation(path, started_at, tally, now))
+                    self.observer.completion(now, stream_observation(path, started_at, tally, now), ticket)
+                else:
+                    self.observer.forget(ticket)
 
             out.on_end = ended
             return
         prompt, completion = body_token_counts(out.body)
         self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=prompt,
-                                                               completion_tokens=completion, arrived_at=started_at))
+                                                               completion_tokens=completion, arrived_at=started_at),
+                                 ticket)
 
     # ------------------------------------------------------------ one attempt
 

@@ -124,6 +124,7 @@ class Cluster:
         self._work_left: dict[str, float] = {}  # host sharing: step seconds still to compute, per instance
         self._step_token: dict[str, int] = {}  # host sharing: the step-end event that is current
         self._share_rate, self._share_since = 1.0, 0.0
+        self._plan_pending = False
 
     # ------------------------------------------------------------ events
 
@@ -170,7 +171,7 @@ class Cluster:
     # ------------------------------------------------------------ requests
 
     def _arrive(self, r: SimReq) -> None:
-        self.window.arrival(self.now)
+        r.ticket = self.window.arrival(self.now)
         route = plan_route(self.registry, self.policies, "", set())
         if route is None:
             self._end(r, "rejected")
@@ -287,11 +288,13 @@ class Cluster:
     def _first_token(self, r: SimReq) -> None:
         if r.first_token_at is None:
             r.first_token_at = self.now
+            r.ticket.tokens = r.generated  # what the client has been sent
 
     def _decoded(self, inst: SimInstance, step: Step) -> None:
         done = []
         for r in step.reqs:
             r.generated += 1
+            r.ticket.tokens = r.generated
             if r.generated >= r.output_len:
                 done.append(r)
         if done:
@@ -307,11 +310,12 @@ class Cluster:
         ttft, tpot = self.ttft_tpot(r)
         self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
                                                      completion_tokens=r.generated, arrived_at=r.arrival, ttft_s=ttft,
-                                                     tpot_s=tpot if r.generated > 1 else None))
+                                                     tpot_s=tpot if r.generated > 1 else None), r.ticket)
         self._end(r, "finished", self.meets_slo(r))
 
     def _end(self, r: SimReq, outcome: str, met: bool = False) -> None:
         assert not r.outcome, f"request {r.rid} ended twice ({r.outcome}, {outcome})"
+        self.window.forget(r.ticket)
         r.outcome = outcome
         r.finished_at = self.now
         self.ended += 1
@@ -329,6 +333,11 @@ class Cluster:
     # ------------------------------------------------------------ the planner and moves
 
     def _planner_tick(self, _: Any) -> None:
+        self._plan(None)
+        self.at(self.now + self.cfg.planner.interval_s, self._planner_tick)
+
+    def _plan(self, _: Any) -> None:
+        self._plan_pending = False
         self._refresh_loads()  # the live loop refreshes every /get_load before deciding
         traffic = self.window.traffic(self.now)
         while True:  # as the live loop: decide until it holds
@@ -339,7 +348,6 @@ class Cluster:
             if d.kind != "move":
                 break
             self._start_move(d.url, d.dst)
-        self.at(self.now + self.cfg.planner.interval_s, self._planner_tick)
 
     def _phase_tick(self, _: Any) -> None:
         """Heads for the current phase's layout with every move it takes at once, the workers with the
@@ -397,6 +405,9 @@ class Cluster:
         self.state.finished(self.now, move.worker, outcome == "ok", self.cfg.planner)
         self._record_pools()
         self._kick(self.instances[move.worker])
+        if outcome == "ok" and self.state.committed is not None and not self._plan_pending:
+            self._plan_pending = True  # as the live loop: a move that lands mid-walk starts the next round now
+            self.at(self.now, self._plan)
 
     def _record_pools(self) -> None:
         counts = {m: len(self.registry.pool(m)) for m in MODES}

@@ -26,7 +26,7 @@ class SimReq:
 
     __slots__ = ("rid", "arrival", "input_len", "output_len", "generated", "computed", "kv_len", "path",
                  "prefill_url", "decode_url", "first_token_at", "finished_at", "outcome", "fill_ids",
-                 "prefix_indices", "extend_input_len", "req_pool_idx", "last_node", "retractions")
+                 "prefix_indices", "extend_input_len", "req_pool_idx", "last_node", "retractions", "ticket")
 
     def __init__(self, rid: int, arrival: float, input_len: int, output_len: int) -> None:
         self.rid, self.arrival, self.input_len, self.output_len = rid, arrival, input_len, output_len
@@ -39,6 +39,7 @@ class SimReq:
         self.finished_at: Optional[float] = None
         self.outcome = ""  # "", then "finished", "rejected" or "unfinished"
         self.retractions = 0
+        self.ticket: Any = None  # the planner window's InFlight, from arrival on
         self.fill_ids: range = range(0)
         self.prefix_indices: range = range(0)
         self.extend_input_len = 0
