@@ -20,7 +20,7 @@ import msgspec
 from starlette.responses import Response
 
 from tidal.planner.schema import NULL_PATH, PD_PATH
-from tidal.planner.window import Observation, StreamTally, body_token_counts, stream_observation
+from tidal.planner.window import InFlight, Observation, StreamTally, body_token_counts, stream_observation
 from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
@@ -214,7 +214,7 @@ class Dispatcher:
         self.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
-    def _observe(self, path: str, started_at: float, out: Response, ticket: Any) -> None:
+    def _observe(self, path: str, started_at: float, out: Response, ticket: Optional[InFlight]) -> None:
         """Tell the planner's window how a successful request went (a stream: as it goes, and once it ends)."""
         if self.observer is None:
             return
