@@ -130,14 +130,17 @@ class TrafficWindow:
         self.completions: collections.deque[tuple[float, Observation]] = collections.deque()
         # (completed at, prompt, answer, arrived at or None)
         self.length_history: collections.deque[tuple[float, int, int, Optional[float]]] = collections.deque()
-        # the open requests; a ticket its caller drops (a failed or cancelled request) leaves by itself
+        # the first window's open requests; a ticket its caller drops (a failed or cancelled request) leaves by itself
         self.open: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.mix_shifts = 0
 
-    def arrival(self, now: float) -> InFlight:
-        """Counts an arrival; the ticket, kept current by its caller, stays open until `completion` or `forget`."""
+    def arrival(self, now: float) -> Optional[InFlight]:
+        """Counts an arrival. In the first window, a ticket for its caller to keep current, open until
+        `completion` or `forget`; later None (only the first window's mean answer reads the open requests)."""
         self.arrivals.append(now)
         self.arrival_history.append(now)
+        if now - self.started_at >= self.window_s:
+            return None
         ticket = InFlight(now)
         self.open.add(ticket)
         return ticket
@@ -201,14 +204,14 @@ class TrafficWindow:
         return Traffic(arrival_rate=rate,
                        mean_input_tokens=_mean([p for p, _ in lengths]),
                        input_tokens_deciles=deciles([p for p, _ in lengths]),
-                       mean_output_tokens=self._cohort_answer(now, _mean([c for _, c in lengths])),
+                       mean_output_tokens=self._mean_answer(now, _mean([c for _, c in lengths])),
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
 
-    def _cohort_answer(self, now: float, finished_mean: float) -> float:
+    def _mean_answer(self, now: float, finished_mean: float) -> float:
         """The mean answer: over the router's first window (the cluster filling up), that of every request
         that has arrived, those still open counting as longer than their tokens so far (`censored_mean`),
         once MIN_COHORT_SAMPLES of them have finished; else `finished_mean`, the requests that finished.

@@ -288,13 +288,15 @@ class Cluster:
     def _first_token(self, r: SimReq) -> None:
         if r.first_token_at is None:
             r.first_token_at = self.now
-            r.ticket.tokens = r.generated  # what the client has been sent
+            if r.ticket is not None:
+                r.ticket.tokens = r.generated  # what the client has been sent
 
     def _decoded(self, inst: SimInstance, step: Step) -> None:
         done = []
         for r in step.reqs:
             r.generated += 1
-            r.ticket.tokens = r.generated
+            if r.ticket is not None:
+                r.ticket.tokens = r.generated
             if r.generated >= r.output_len:
                 done.append(r)
         if done:
