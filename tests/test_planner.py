@@ -503,6 +503,22 @@ def test_among_near_best_layouts_one_whose_decode_pool_takes_the_bursts_wins():
                                                                                       DECODE: 3}
 
 
+def test_a_layout_short_of_todays_rate_moves_below_the_hysteresis_to_one_that_meets_it():
+    """6 prefill : 2 decode on long prompts: at 4.5 requests/s both it and 7:1 meet the SLOs and 7:1 gains 17%
+    of capacity, below the hysteresis: hold. At 5.0 the same gain separates a layout that misses today's rate
+    from one that meets it: the planner moves."""
+    loads = layout(6, 2, 0)
+    met = decide(NOW, cfg(), PlannerState(), loads, Traffic(arrival_rate=4.5, mean_input_tokens=1000,
+                                                           mean_output_tokens=20), COST)
+    assert met.kind == "hold" and "gains too little" in met.reason, met.reason
+    assert 1 <= met.current.capacity < met.target.capacity < 1.3 * met.current.capacity
+    short = decide(NOW, cfg(), PlannerState(), loads, Traffic(arrival_rate=5.0, mean_input_tokens=1000,
+                                                             mean_output_tokens=20), COST)
+    assert short.current.capacity < 1 <= short.target.capacity < 1.3 * short.current.capacity
+    assert short.kind == "move" and (short.src, short.dst) == (DECODE, PREFILL), short.reason
+    assert "meets today's rate" in short.reason
+
+
 def test_moves_toward_a_committed_target_go_on_below_the_hysteresis():
     """Once a target has passed the hysteresis, the next moves toward it do not have to pass it again:
     one worker short of the target the remaining gain is small, and a planner re-testing it would stop

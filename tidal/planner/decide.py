@@ -7,7 +7,8 @@ the cluster could take (workers per mode: every layout up to GRID_FULL workers, 
 refined around its best one beyond), picks the best as its target (among near-ties, the fewest
 moves away; a committed target stays while it is within NEAR_BEST of the best, `kept_target`)
 and, when the target's capacity beats the layout the cluster is heading for by the
-hysteresis (relative), starts one move toward it: the legal single move whose layout predicts
+hysteresis (relative; MEETS_TODAY_GAIN when the target meets today's rate and the heading layout does
+not), starts one move toward it: the legal single move whose layout predicts
 best, ties to the worker with least to drain. The next intervals continue toward the target
 while it stays the best layout (`PlannerState.committed`: without the hysteresis again, which
 would stop the walk short where the remaining gain is smaller), up to `max_concurrent_moves` at once. Aiming at capacity
@@ -52,6 +53,9 @@ from tidal.planner.schema import (
 )
 
 MIN_RELATIVE_GAIN = 0.1  # ranking by score: a move must also lower it by this fraction of it
+# a layout that misses today's rate (capacity < 1) heads for one that meets it for this relative gain, not the
+# hysteresis: every request pays for the miss while it holds
+MEETS_TODAY_GAIN = 0.1
 GRID_FULL = 24  # up to this many workers every layout is predicted; beyond, a grid of ~16 steps refined
 NEAR_TIE = 0.02  # layouts within this fraction of the best capacity (or score) count as ties
 # layouts within this fraction of the best capacity are close enough for the model's error to reverse their
@@ -327,11 +331,15 @@ def kept_target(predictor: Any, state: PlannerState, heading: dict[str, int], be
 
 
 def gain_enough(current: Prediction, target: Prediction, hysteresis: float) -> tuple[bool, str]:
-    """Whether heading for `target` pays: capacity up by the hysteresis (relative), or, when neither
-    meets the SLOs at any rate, the score down by it (absolute) and by MIN_RELATIVE_GAIN of it."""
+    """Whether heading for `target` pays: capacity up by the hysteresis (relative), or by MEETS_TODAY_GAIN
+    when the target meets today's rate and the current layout does not; when neither meets the SLOs at
+    any rate, the score down by the hysteresis (absolute) and by MIN_RELATIVE_GAIN of it."""
     if target.capacity:
+        what = f"capacity {current.capacity:.2f}x -> {target.capacity:.2f}x the rate"
+        if current.capacity < 1.0 <= target.capacity and target.capacity >= current.capacity * (1 + MEETS_TODAY_GAIN):
+            return True, f"{what} (meets today's rate)"
         ok = target.capacity >= current.capacity * (1 + hysteresis) and target.capacity > current.capacity
-        return ok, f"capacity {current.capacity:.2f}x -> {target.capacity:.2f}x the rate"
+        return ok, what
     needed = max(hysteresis, MIN_RELATIVE_GAIN * current.score)
     return current.score - target.score >= needed, f"score {current.score:.3f} -> {target.score:.3f}"
 
