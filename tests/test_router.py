@@ -202,6 +202,20 @@ def test_400_is_not_retried(m):
         assert [path for path, _ in m["p1"].requests].count("/v1/completions") == 1
 
 
+def test_a_prefill_400_answered_after_the_decode_failed_is_not_retried(m):
+    """The decode leg fails first (its own 503, or in a loaded host its KV wait ending before the prefill's
+    400 reaches the router); the prefill's 400 answered 0.3 s later is the cause, and a bad request is not
+    retried on a new pair."""
+    m["p1"].hang_s, m["p1"].reject = 0.3, True
+    m["d1"].fail_next = 1
+    with pd(m) as r:
+        resp = r.post("/v1/completions", {"prompt": "x"})
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"]["message"] == "bad request from mock"
+        assert [path for path, _ in m["p1"].requests].count("/v1/completions") == 1
+        assert len(m["d1"].requests) == 1
+
+
 def test_timeout_gives_504(m):
     m["d1"].hang_s = 5
     with pd(m, request_timeout_s=0.5) as r:

@@ -35,6 +35,9 @@ _ROOM_RNG = random.SystemRandom()
 
 
 EXPECTED_MODE_HEADER = "X-Tidal-Expected-Mode"
+# a decode worker fails its request soon after the prefill worker fails it (its KV never comes): a failed decode leg
+# waits this long for the prefill leg's answer, which names the cause (a prefill 400 is not retried)
+ROOT_CAUSE_WAIT_S = 1.0
 
 
 def new_room() -> int:
@@ -276,6 +279,8 @@ class Dispatcher:
                 return Failure(p_leg, p_leg.retryable)  # decode cannot finish without its KV
             await d_task
             if not d_leg.ok:
+                if not p_task.done():
+                    await asyncio.wait({p_task}, timeout=ROOT_CAUSE_WAIT_S)
                 if p_task.done() and not p_leg.ok:  # the root cause: decode had no KV to wait for
                     return Failure(p_leg, p_leg.retryable, d_leg)
                 return Failure(d_leg, d_leg.retryable)
