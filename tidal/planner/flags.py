@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from tidal.planner.decide import MEETS_TODAY_GAIN
 from tidal.planner.schema import PlannerConfig
 
 # (flag, namespace attribute) of every planner flag that takes a value, for the pass-through
@@ -47,8 +48,9 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         f"prompt and answer lengths starts the history again (default: {d.burst_window_s:g})")
     g.add_argument("--planner-hysteresis", type=float, default=d.hysteresis,
                    help=f"the best layout must raise the predicted capacity (the arrival-rate multiple at which "
-                        f"both SLOs hold) by this fraction before the planner heads for it; 10%% when it meets "
-                        f"today's rate and the current layout does not (default: {d.hysteresis:g})")
+                        f"both SLOs hold) by this fraction before the planner heads for it; "
+                        f"{MEETS_TODAY_GAIN * 100:g}%% when it meets today's rate and the current layout does not "
+                        f"(default: {d.hysteresis:g})")
     g.add_argument("--planner-profile", default=None, metavar="PATH",
                    help="a `tidal profile` JSON: predict with its cost model (default: none; then the planner "
                         "scales the observed latencies by load)")
