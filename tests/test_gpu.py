@@ -3,6 +3,7 @@
 A tidal server on `--device cuda` answers greedy requests with Hugging Face transformers'
 tokens on the same GGUF and device (float32, the exact path), and the compiled decode step
 (`--enable-torch-compile`) with the eager server's. Skipped where torch sees no GPU.
+`bash scripts/gpu_check.sh` runs these, then `tidal bench` and transformers `generate` on the GPU.
 """
 
 from __future__ import annotations

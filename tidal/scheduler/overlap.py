@@ -79,9 +79,9 @@ def input_ids_from(prev: Optional[InFlight], batch: ScheduleBatch) -> Optional[C
     rows = [row_of.get(id(r), -1) for r in batch.reqs]
     if all(i < 0 for i in rows):
         return None
-    src = torch.tensor(rows, dtype=torch.int64)
-    known = src < 0
     fb = batch.forward_batch
+    src = torch.tensor(rows, dtype=torch.int64, device=fb.input_ids.device)
+    known = src < 0
 
     def resolve() -> None:
         sampled = prev.future.result()[1].next_token_ids  # done: passes run in order

@@ -46,6 +46,7 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     for r in reqs:
         mem.alloc_req_slot(r)
     table = mem.req_to_token
+    dev = table.device  # the batch's tensors live with the slot table: on the model's device
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, reqs)]
     for r, p in zip(reqs, prefix_lens):
@@ -64,21 +65,21 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         table[r.req_pool_idx, p:s] = out_loc[offset : offset + n]
         r.kv_len = s
         input_ids += r.fill_ids[p:s]
-        positions.append(torch.arange(p, s, dtype=torch.int64))
+        positions.append(torch.arange(p, s, dtype=torch.int64, device=dev))
         first_pos = _first_logit_pos(r, p, s)
         spans.append(RowSpan(first=sum(sp.count for sp in spans), count=s - first_pos, first_pos=first_pos))
-        rows.append(torch.arange(offset + first_pos - p, offset + n, dtype=torch.int64))
+        rows.append(torch.arange(offset + first_pos - p, offset + n, dtype=torch.int64, device=dev))
         offset += n
 
     fb = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
         positions=torch.cat(positions),
         out_cache_loc=out_loc,
-        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
-        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64),
-        extend_seq_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64),
+        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
+        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=dev),
+        extend_seq_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64, device=dev),
         req_to_token=table,
         kv_pool=kv_pool,
         seq_lens_cpu=seq_lens,
@@ -106,9 +107,10 @@ def _first_logit_pos(r: Req, prefix_len: int, seq_len: int) -> int:
 def build_decode_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch:
     """One new token per request; the caller has checked memory (or retracted)."""
     table = mem.req_to_token
-    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64)
+    dev = table.device
+    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
     kv_lens = [r.kv_len for r in reqs]
-    kv = torch.tensor(kv_lens, dtype=torch.int64)
+    kv = torch.tensor(kv_lens, dtype=torch.int64, device=dev)
     last_locs = table[idx, kv - 1]
     seq_lens = [n + 1 for n in kv_lens]
     out_loc = mem.alloc_decode(seq_lens, last_locs.tolist())
@@ -120,13 +122,13 @@ def build_decode_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     b = len(reqs)
     fb = ForwardBatch(
         forward_mode=ForwardMode.DECODE,
-        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64),
+        input_ids=torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev),
         positions=kv,
         out_cache_loc=out_loc,
         req_pool_indices=idx,
         seq_lens=kv + 1,
         extend_prefix_lens=kv,
-        extend_seq_lens=torch.ones(b, dtype=torch.int64),
+        extend_seq_lens=torch.ones(b, dtype=torch.int64, device=dev),
         req_to_token=table,
         kv_pool=kv_pool,
         seq_lens_cpu=seq_lens,
@@ -135,4 +137,4 @@ def build_decode_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     )
     fb.lora_names = lora_names(reqs)
     spans = [RowSpan(first=i, count=1, first_pos=n) for i, n in enumerate(kv_lens)]
-    return ScheduleBatch(reqs, ForwardMode.DECODE, spans, fb, torch.arange(b, dtype=torch.int64))
+    return ScheduleBatch(reqs, ForwardMode.DECODE, spans, fb, torch.arange(b, dtype=torch.int64, device=dev))

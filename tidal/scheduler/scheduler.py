@@ -306,7 +306,7 @@ class Scheduler:
                 grammar: Optional[GrammarBatch] = None):
         """Runs in the thread that runs the pass; grammar masks are computed here, right before
         the draw, and the matchers advance right after it."""
-        last_rows = torch.tensor([s.last for s in batch.spans], dtype=torch.int64)
+        last_rows = torch.tensor([s.last for s in batch.spans], dtype=torch.int64, device=logits.device)
         sample_logits = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
         reqs = batch.reqs
         if grammar is not None:
