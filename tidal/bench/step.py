@@ -56,7 +56,8 @@ class StepBench:
         self.runner = ModelRunner(args)
         self.page = args.page_size
         self.max_context = context + 64
-        self.req_to_token = torch.zeros(max_batch, self.max_context, dtype=torch.int64)
+        self.dev = self.runner.device
+        self.req_to_token = torch.zeros(max_batch, self.max_context, dtype=torch.int64, device=self.dev)
         pages_needed = max_batch * (self.max_context // self.page + 1)
         pool_pages = self.runner.max_total_tokens // self.page
         if pages_needed > pool_pages:
@@ -77,7 +78,7 @@ class StepBench:
         ids, pos, loc = [], [], []
         for r, pre, new in reqs:
             slots = self._slots(r, pre, pre + new)
-            self.req_to_token[r, pre:pre + new] = torch.tensor(slots)
+            self.req_to_token[r, pre:pre + new] = torch.tensor(slots, device=self.dev)
             ids += [random.randrange(1000, 20000) for _ in range(new)]
             pos += range(pre, pre + new)
             loc += slots
@@ -86,13 +87,13 @@ class StepBench:
         seq = [p + e for p, e in zip(pre, ext)]
 
         def t(x):
-            return torch.tensor(x, dtype=torch.int64)
+            return torch.tensor(x, dtype=torch.int64, device=self.dev)
 
         return ForwardBatch(mode, t(ids), t(pos), t(loc), t([r for r, _, _ in reqs]), t(seq), t(pre), t(ext),
                             self.req_to_token, self.runner.kv_pool, seq, pre, ext)
 
     def run(self, fb: ForwardBatch) -> torch.Tensor:
-        ends = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu), 0) - 1
+        ends = torch.cumsum(torch.tensor(fb.extend_seq_lens_cpu, device=self.dev), 0) - 1
         return self.runner.forward(fb, ends)
 
     def fill(self, batch: int, context: int, chunk: int) -> None:
@@ -126,12 +127,16 @@ def profile_breakdown(fn, steps: int) -> dict[str, float]:
 
 
 def time_steps(fn, warmup: int, steps: int) -> list[float]:
+    """Milliseconds per call; on a GPU each call is waited for (kernels run asynchronously)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() and torch.cuda.is_initialized() else (lambda: None)
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(steps):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()
         times.append((time.perf_counter() - t0) * 1000.0)
     return times
 
