@@ -519,6 +519,26 @@ def test_a_layout_short_of_todays_rate_moves_below_the_hysteresis_to_one_that_me
     assert "meets today's rate" in short.reason
 
 
+def test_in_overload_a_decode_pool_that_meets_the_tpot_slo_is_not_traded_for_one_that_misses_it():
+    """4 prefill : 2 decode with 5000 prompt tokens queued: no layout meets the SLOs at any rate (the backlog).
+    5:1 scores best (TTFT 4.7 s against 5.8 s), but with 100-token answers its one decode worker misses the
+    30-ms TPOT SLO at today's rate (33 ms) where 4:2's two meet it (25 ms): every request would pay, while
+    the backlog drains. The planner holds. With 50-token answers 5:1 meets it too, and the planner moves."""
+    loads = layout(4, 2, 0, prefill={"queued_prefill_tokens": 5000})
+    c = cfg(tpot_slo_s=0.03)
+
+    def at(answer_tokens: int):
+        return decide(NOW, c, PlannerState(), loads, Traffic(arrival_rate=4.0, mean_input_tokens=500,
+                                                             mean_output_tokens=answer_tokens), COST)
+
+    long = at(100)
+    assert long.current.capacity == 0 and long.current.paths["pd"].tpot_s <= 0.03
+    assert long.kind == "hold" and long.target.pools[DECODE] == 2, long.reason
+    short = at(50)
+    assert short.kind == "move" and (short.src, short.dst) == (DECODE, PREFILL), short.reason
+    assert short.target.pools[DECODE] == 1 and short.target.paths["pd"].tpot_s <= 0.03
+
+
 def test_moves_toward_a_committed_target_go_on_below_the_hysteresis():
     """Once a target has passed the hysteresis, the next moves toward it do not have to pass it again:
     one worker short of the target the remaining gain is small, and a planner re-testing it would stop

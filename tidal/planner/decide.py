@@ -15,6 +15,9 @@ would stop the walk short where the remaining gain is smaller), up to `max_concu
 rather than at today's latency keeps headroom for bursts and makes the target depend on the
 mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
 small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score.
+When no layout meets today's rate and the heading layout's decode side meets the TPOT SLO at it,
+only layouts whose decode side also meets it are ranked (`meets_tpot`): a prefill backlog drains,
+while a decode pool too small for today's rate makes every request it serves miss.
 
 It never:
 - moves a worker back the way a move went inside the cooldown after that move started or
@@ -296,6 +299,11 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
         return None
     best = top()
     pool = list(seen.values())
+    if best.capacity < 1.0 and current_rated is not None and meets_tpot(current_rated, predictor.tpot_slo_s):
+        # overload: trade the backlog's TTFT for a decode pool that misses the TPOT SLO for every request? never
+        keep = [x for x in pool if meets_tpot(x, predictor.tpot_slo_s)]
+        if keep:
+            pool, best = keep, max(keep, key=lambda x: (x.capacity, -x.score))
     if best.capacity and isinstance(predictor, CostPredictor):
         bursty = predictor.with_decode_bursts()
         sturdy = [x for x in pool if x.capacity >= best.capacity * (1 - NEAR_BEST) and robust(bursty, x, load,
@@ -304,6 +312,11 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
             pool, best = sturdy, max(sturdy, key=lambda x: x.capacity)
     ties = [x for x in pool if near(x, best)]
     return min(ties, key=lambda x: (moves_between(current, x.pools), -x.capacity, x.score))
+
+
+def meets_tpot(pred: Prediction, tpot_slo_s: float) -> bool:
+    """Whether every path of the layout is predicted to meet the TPOT SLO at today's rate."""
+    return all(p.tpot_s <= tpot_slo_s for p in pred.paths.values())
 
 
 def robust(bursty: CostPredictor, pred: Prediction, load: PoolLoad, traffic: Traffic) -> bool:
