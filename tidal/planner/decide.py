@@ -300,7 +300,7 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
     best = top()
     pool = list(seen.values())
     if best.capacity < 1.0 and current_rated is not None and meets_tpot(current_rated, predictor.tpot_slo_s):
-        # overload: trade the backlog's TTFT for a decode pool that misses the TPOT SLO for every request? never
+        # overload: a prefill backlog drains; a decode pool past the TPOT SLO fails every request it serves
         keep = [x for x in pool if meets_tpot(x, predictor.tpot_slo_s)]
         if keep:
             pool, best = keep, max(keep, key=lambda x: (x.capacity, -x.score))
