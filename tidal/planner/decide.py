@@ -258,6 +258,15 @@ def better(a: Prediction, b: Prediction) -> bool:
     return a.score < b.score
 
 
+def best_of(preds: Iterable[Prediction]) -> Prediction:
+    """The first of the predictions that no later one ranks above (`better`)."""
+    out = None
+    for x in preds:
+        if out is None or better(x, out):
+            out = x
+    return out
+
+
 def near(a: Prediction, best: Prediction) -> bool:
     if best.capacity:
         return a.capacity >= best.capacity * (1 - NEAR_TIE)
@@ -273,13 +282,6 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
     if current_rated is not None and target_allowed(current, current, min_per_pool):
         seen[current[PREFILL], current[DECODE]] = current_rated
 
-    def top() -> Prediction:
-        out = None
-        for x in seen.values():
-            if out is None or better(x, out):
-                out = x
-        return out
-
     def visit(layouts: Iterable[dict[str, int]]) -> None:
         for lay in layouts:
             key = (lay[PREFILL], lay[DECODE])
@@ -293,17 +295,17 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
     visit([current])
     while step > 1 and seen:
         step = math.ceil(step / 2)
-        best = top()
+        best = best_of(seen.values())
         visit(grid(total, step, (best.pools[PREFILL], best.pools[DECODE])))
     if not seen:
         return None
-    best = top()
+    best = best_of(seen.values())
     pool = list(seen.values())
     if best.capacity < 1.0 and current_rated is not None and meets_tpot(current_rated, predictor.tpot_slo_s):
         # overload: a prefill backlog drains; a decode pool past the TPOT SLO fails every request it serves
         keep = [x for x in pool if meets_tpot(x, predictor.tpot_slo_s)]
         if keep:
-            pool, best = keep, max(keep, key=lambda x: (x.capacity, -x.score))
+            pool, best = keep, best_of(keep)
     if best.capacity and isinstance(predictor, CostPredictor):
         bursty = predictor.with_decode_bursts()
         sturdy = [x for x in pool if x.capacity >= best.capacity * (1 - NEAR_BEST) and robust(bursty, x, load,

@@ -49,6 +49,7 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     dev = table.device  # the batch's tensors live with the slot table: on the model's device
     prefix_lens = [len(r.prefix_indices) for r in reqs]
     seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, reqs)]
+    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
     for r, p in zip(reqs, prefix_lens):
         if p:
             table[r.req_pool_idx, :p] = r.prefix_indices
@@ -79,12 +80,12 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
         extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=dev),
-        extend_seq_lens=torch.tensor([s - p for p, s in zip(prefix_lens, seq_lens)], dtype=torch.int64, device=dev),
+        extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=dev),
         req_to_token=table,
         kv_pool=kv_pool,
         seq_lens_cpu=seq_lens,
         extend_prefix_lens_cpu=prefix_lens,
-        extend_seq_lens_cpu=[s - p for p, s in zip(prefix_lens, seq_lens)],
+        extend_seq_lens_cpu=extend_lens,
     )
     fb.lora_names = lora_names(reqs)
     return ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.cat(rows))
