@@ -48,8 +48,8 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     table = mem.req_to_token
     dev = table.device  # the batch's tensors live with the slot table: on the model's device
     prefix_lens = [len(r.prefix_indices) for r in reqs]
-    seq_lens = [p + r.extend_input_len for p, r in zip(prefix_lens, reqs)]
-    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+    extend_lens = [r.extend_input_len for r in reqs]
+    seq_lens = [p + n for p, n in zip(prefix_lens, extend_lens)]
     for r, p in zip(reqs, prefix_lens):
         if p:
             table[r.req_pool_idx, :p] = r.prefix_indices
