@@ -32,7 +32,7 @@ def make_profile(**overrides) -> dict:
         "measured_at": "2026-11-24T00:00:00+00:00",
         "server": {"url": "http://127.0.0.1:1", "model": "m", "quantization": "gguf", "dtype": "float32",
                    "torch_threads": 2, "cpu_flags": ["avx2", "fma"], "page_size": 1, "max_total_tokens": 9000,
-                   "max_running_requests": 16,
+                   "max_running_requests": 16, "prefill_step_tokens": 2048,
                    "transfer_backend": "tcp"},
         "prefill": [{"tokens": 100, "seconds": 1.0}, {"tokens": 200, "seconds": 1.5}, {"tokens": 400, "seconds": 3.5}],
         "prefill_batch": [],
@@ -178,6 +178,7 @@ def test_switch_transfer_and_capacity():
     assert cm.kv_transfer_seconds(600) == pytest.approx(0.06)
     assert cm.drain_seconds_idle == pytest.approx(0.003)
     assert cm.max_total_tokens == 9000
+    assert cm.prefill_step_tokens == 2048
     empty = CostModel.from_dict(make_profile())
     assert empty.kv_transfer_seconds(200) == 0.0 and empty.switch_seconds("null", "decode") == 0.0
 
@@ -225,12 +226,14 @@ def test_a_hand_written_profile_needs_only_capacity_and_the_curves(tmp_path):
     assert cm.max_total_tokens == 4096 and cm.prefill_seconds(99) == pytest.approx(0.01)
     assert cm.profile.kv_transfer == [] and cm.profile.switch == [] and cm.profile.drain is None
     assert cm.max_running_requests == 0  # not recorded: the planner caps a batch by the KV capacity alone
+    assert cm.prefill_step_tokens == 0  # not recorded: the planner assumes the server's default budget
     save_profile(cm.profile, str(tmp_path / "p.json"))
     written = json.load(open(tmp_path / "p.json"))
     assert set(written) == {"version", "measured_at", "server", "prefill", "prefill_batch", "decode", "kv_transfer",
                             "switch", "drain"}
     assert set(written["server"]) == {"url", "model", "quantization", "dtype", "torch_threads", "cpu_flags",
-                                      "page_size", "max_total_tokens", "max_running_requests", "transfer_backend"}
+                                      "page_size", "max_total_tokens", "max_running_requests", "prefill_step_tokens",
+                                      "transfer_backend"}
 
 
 def test_a_file_that_is_not_json_is_refused(tmp_path):

@@ -152,6 +152,11 @@ class CostModel:
         """The most requests one server decodes at once (0: the profile does not say)."""
         return self.profile.server.max_running_requests
 
+    @property
+    def prefill_step_tokens(self) -> int:
+        """The most new tokens one prefill step takes (0: the profile does not say)."""
+        return self.profile.server.prefill_step_tokens
+
 
 def host_mismatch(profile: Profile, host_flags: Optional[list[str]] = None) -> Optional[str]:
     """A warning when the profile was measured on a CPU whose SIMD flags are not this host's

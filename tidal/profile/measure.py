@@ -169,12 +169,12 @@ def _server_facts(http: Http, info: dict, sched: dict) -> ServerFacts:
         url=http.url, model=str(model), quantization=str(sched.get("quantization", "none")),
         dtype=str(sched["dtype"]), torch_threads=int(sched.get("torch_threads") or 0), cpu_flags=cpu_flags(),
         page_size=int(sched["page_size"]), max_total_tokens=int(sched["max_total_tokens"]),
-        max_running_requests=int(sched["max_running_requests"]),
+        max_running_requests=int(sched["max_running_requests"]), prefill_step_tokens=_prefill_step_tokens(info),
         transfer_backend=str(info.get("disaggregation_transfer_backend", "")))
     return ServerFacts(server, str(info.get("disaggregation_mode", "null")),
                        bool(info.get("enable_dynamic_disaggregation")), int(sched["vocab_size"]),
                        int(sched["context_length"]), int(sched["max_req_input_len"]),
-                       int(sched["max_running_requests"]), _prefill_step_tokens(info),
+                       int(sched["max_running_requests"]), server.prefill_step_tokens,
                        info.get("disaggregation_bootstrap_port"))
 
 

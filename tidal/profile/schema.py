@@ -41,6 +41,7 @@ class ServerInfo(_Struct, kw_only=True):
     page_size: PositiveInt = 1
     max_total_tokens: PositiveInt
     max_running_requests: NonNegativeInt = 0  # the server's running-batch limit; 0: not recorded
+    prefill_step_tokens: NonNegativeInt = 0  # the most new tokens one prefill step takes; 0: not recorded
     transfer_backend: str = ""
 
 
