@@ -130,9 +130,10 @@ def test_a_prefill_batch_never_costs_less_than_its_slowest_prompt_alone():
 def test_the_default_decode_grid_reaches_the_servers_largest_batch(max_running, kv_tokens, batches):
     from tidal.profile.measure import ServerFacts, default_decode_batches
     from tidal.profile.schema import ServerInfo
-    facts = ServerFacts(info=ServerInfo(max_total_tokens=kv_tokens, max_running_requests=max_running), mode="null",
+    facts = ServerFacts(info=ServerInfo(max_total_tokens=kv_tokens, max_running_requests=max_running,
+                                        prefill_step_tokens=2048), mode="null",
                         switchable=False, vocab_size=49152, context_length=8192, max_input_tokens=8000,
-                        max_running_requests=max_running, prefill_step_tokens=2048)
+                        max_running_requests=max_running)
     assert default_decode_batches(facts, longest=512 + 32) == batches
 
 

@@ -111,6 +111,14 @@ def default_model_path() -> str:
     return os.path.join(list(spec.submodule_search_locations)[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
+def prefill_step_tokens(chunked_prefill_size: int, max_prefill_tokens: int) -> int:
+    """The most new tokens one prefill step takes: the chunked-prefill size within max_prefill_tokens, or
+    whichever of the two is on (> 0) when the other is off."""
+    if chunked_prefill_size > 0 and max_prefill_tokens > 0:
+        return min(chunked_prefill_size, max_prefill_tokens)
+    return max(chunked_prefill_size, max_prefill_tokens, 0)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str = ""

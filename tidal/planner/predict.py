@@ -59,6 +59,7 @@ import copy
 import math
 from typing import Any, Optional, Sequence
 
+from tidal.config import ServerArgs, prefill_step_tokens
 from tidal.planner.schema import (
     DECODE,
     NULL,
@@ -72,9 +73,8 @@ from tidal.planner.schema import (
 )
 
 UNSERVABLE = 1e9  # score of a layout that serves nothing
-# a prefill step's token budget when the cost model does not record the server's (ServerArgs' defaults:
-# chunked_prefill_size 2048 under max_prefill_tokens 16384)
-DEFAULT_PREFILL_STEP_TOKENS = 2048
+# a prefill step's token budget when the cost model does not record the server's: the server's default
+DEFAULT_PREFILL_STEP_TOKENS = prefill_step_tokens(ServerArgs.chunked_prefill_size, ServerArgs.max_prefill_tokens)
 MAX_STALL = 0.95  # a null worker never spends more than this fraction prefilling, in the model
 FIXED_POINT_ITERATIONS = 30
 

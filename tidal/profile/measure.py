@@ -44,7 +44,7 @@ from typing import Any, Callable, Optional
 
 import httpx
 
-from tidal.config import bearer_headers
+from tidal.config import bearer_headers, prefill_step_tokens
 from tidal.cpus import cpu_flags
 from tidal.profile.schema import (
     VERSION,
@@ -147,7 +147,6 @@ class ServerFacts:
     context_length: int
     max_input_tokens: int
     max_running_requests: int
-    prefill_step_tokens: int  # the most new tokens one prefill step takes
     bootstrap_port: Optional[int] = None
 
 
@@ -174,14 +173,11 @@ def _server_facts(http: Http, info: dict, sched: dict) -> ServerFacts:
     return ServerFacts(server, str(info.get("disaggregation_mode", "null")),
                        bool(info.get("enable_dynamic_disaggregation")), int(sched["vocab_size"]),
                        int(sched["context_length"]), int(sched["max_req_input_len"]),
-                       int(sched["max_running_requests"]), server.prefill_step_tokens,
-                       info.get("disaggregation_bootstrap_port"))
+                       int(sched["max_running_requests"]), info.get("disaggregation_bootstrap_port"))
 
 
 def _prefill_step_tokens(info: dict) -> int:
-    chunk = int(info.get("chunked_prefill_size") or -1)
-    most = int(info.get("max_prefill_tokens") or 0)
-    return min(chunk, most) if chunk > 0 and most > 0 else max(chunk, most, 0)
+    return prefill_step_tokens(int(info.get("chunked_prefill_size") or -1), int(info.get("max_prefill_tokens") or 0))
 
 
 def default_decode_batches(facts: ServerFacts, longest: int) -> list[int]:
@@ -279,7 +275,7 @@ def prefill_batch_cells(opts: Options, facts: ServerFacts) -> list[tuple[int, in
     """(batch, tokens) for every batch of --prefill-batches above 1 and every prefill length whose
     batch one prefill step takes whole and the server runs at once."""
     return [(k, n) for k in sorted(set(opts.prefill_batches)) if 1 < k <= facts.max_running_requests
-            for n in sorted(set(opts.prefill_tokens)) if k * n <= facts.prefill_step_tokens]
+            for n in sorted(set(opts.prefill_tokens)) if k * n <= facts.info.prefill_step_tokens]
 
 
 def measure_prefill_batches(http: Http, opts: Options, facts: ServerFacts,
@@ -287,7 +283,7 @@ def measure_prefill_batches(http: Http, opts: Options, facts: ServerFacts,
     cells = prefill_batch_cells(opts, facts)
     if not cells:
         opts.notes.append("prefill_batch not measured: no batch of --prefill-batches fits one prefill step "
-                          f"({facts.prefill_step_tokens} tokens); a batch costs as one prompt of its total length")
+                          f"({facts.info.prefill_step_tokens} tokens); a batch costs as one prompt of its total length")
         return []
     points = []
     for (k, n), seconds in _median_rounds(http, opts, cells, facts.vocab_size, rng).items():
