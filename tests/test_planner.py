@@ -336,6 +336,52 @@ def test_token_counts_from_answers_and_streams():
     assert plain.token_counts() == (0, 2)
 
 
+def test_a_body_that_makes_several_requests_counts_as_that_many():
+    from tidal.router.dispatch import MAX_COUNTED_REQUESTS, requests_in
+
+    assert requests_in("/generate", {"text": "hi"}) == 1
+    assert requests_in("/generate", {"input_ids": [1, 2, 3]}) == 1
+    assert requests_in("/generate", {"text": ["a", "b", "c"]}) == 3
+    assert requests_in("/generate", {"input_ids": [[1], [2]]}) == 2
+    assert requests_in("/generate", {"text": ["a", "b", "c"], "sampling_params": {"n": 2}}) == 6
+    assert requests_in("/generate", {"text": ["a", "b"], "sampling_params": [{"n": 3}, {}]}) == 4
+    assert requests_in("/v1/completions", {"prompt": "hi", "n": 2}) == 2
+    assert requests_in("/v1/completions", {"prompt": [5, 6, 7]}) == 1  # one prompt's token ids
+    assert requests_in("/v1/completions", {"prompt": ["a", "b"], "n": 3}) == 6
+    assert requests_in("/v1/completions", {"prompt": [[5], [6]]}) == 2
+    assert requests_in("/v1/chat/completions", {"messages": [], "n": 4}) == 4
+    for bad in ("2", 0, -1, True, None):  # the server refuses these; the router counts one
+        assert requests_in("/v1/chat/completions", {"messages": [], "n": bad}) == 1
+    assert requests_in("/v1/chat/completions", {"messages": [], "n": 10**12}) == MAX_COUNTED_REQUESTS
+    assert requests_in("/generate", {"text": ["a"] * 300, "sampling_params": {"n": 10**12}}) == MAX_COUNTED_REQUESTS
+
+
+def test_a_batch_counts_its_items_as_arrivals_each_with_its_share_of_the_tokens():
+    w = TrafficWindow(window_s=10.0, started_at=0.0)
+    assert w.arrival(1.0, 4) is None  # no ticket for a batch: its stream counts all items' tokens together
+    assert w.arrival(1.0) is not None
+    w.completion(2.0, Observation(path="pd", prompt_tokens=100, completion_tokens=20), requests=4)
+    w.completion(2.0, Observation(path="pd", prompt_tokens=600, completion_tokens=70))
+    t = w.traffic(5.0)
+    assert t.arrival_rate == pytest.approx(5 / 5.0) and t.completed == 5
+    assert t.mean_input_tokens == pytest.approx(200) and t.mean_output_tokens == pytest.approx(30)
+
+
+def test_a_batched_stream_gives_one_items_tokens():
+    generate = StreamTally(first_at=1.0)  # a batched /generate: each event is one item's, counts its own
+    for k in range(1, 4):
+        for i in range(2):
+            generate.feed(b'data: {"index":%d,"meta_info":{"prompt_tokens":9,"completion_tokens":%d}}\n\n' % (i, k))
+    assert generate.token_counts(requests=2) == (9, 3)
+    usage = StreamTally(first_at=1.0)  # OpenAI, n=2: the usage chunk counts both choices
+    usage.feed(b'data: {"choices":[],"usage":{"prompt_tokens":18,"completion_tokens":8}}\n\ndata: [DONE]\n\n')
+    assert usage.token_counts(requests=2) == (9, 4)
+    events = StreamTally(first_at=1.0)  # no counts: a token an event, over the choices
+    events.feed(b'data: {"choices":[{"index":0,"delta":{"content":"a"}}]}\n\n' * 6)
+    obs = stream_observation("pd", 0.5, events, 3.0, requests=2)
+    assert (obs.prompt_tokens, obs.completion_tokens) == (0, 3) and obs.tpot_s == pytest.approx(1.0)
+
+
 def test_cost_model_interpolates_and_extrapolates():
     assert COST.prefill_seconds(500) == pytest.approx(0.5, rel=1e-3)
     assert COST.prefill_seconds(2000) == pytest.approx(2.0, rel=1e-3)

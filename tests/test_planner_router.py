@@ -114,6 +114,18 @@ def test_failed_switch_leaves_the_worker_and_is_not_retried_within_its_backoff(w
     assert all(v["failures"] == 1 and v["blocked"].startswith("backoff") for v in memory)
 
 
+def test_a_batched_request_counts_each_item_toward_the_window(workers):
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
+        body = {"text": ["a", "b", "c"], "sampling_params": {"max_new_tokens": 3}}
+        resp = httpx.post(r.url + "/generate", json=body, timeout=10)
+        assert resp.status_code == 200 and len(resp.json()) == 3
+        window = r.state.planner.window
+        assert len(window.arrivals) == 3 and len(window.completions) == 3
+        traffic = window.traffic(time.monotonic())
+    # each item: 4 prompt tokens and 3 answer tokens (the mock's), not the batch's 12 and 9
+    assert traffic.completed == 3 and traffic.mean_input_tokens == 4 and traffic.mean_output_tokens == 3
+
+
 def test_static_planner_serves_status_and_never_moves(workers, tmp_path):
     workers["p1"].load = dict(STARVED)
     with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:

@@ -1,8 +1,9 @@
 """What the router observes about its requests, over a sliding window (clock injected).
 
-Every request counts as an arrival when the dispatcher takes it. A request that succeeds
-adds its prompt and completion token counts (from `meta_info` or `usage` in its last
-JSON answer) and, when it was streamed, its TTFT (first body bytes) and TPOT ((end -
+Every request counts as an arrival when the dispatcher takes it (a body that makes several, a
+batched /generate or `n` samples, as that many). A request that succeeds adds its prompt and
+completion token counts (from `meta_info` or `usage` in its last JSON answer; a batch's
+shared out over its requests) and, when it was streamed, its TTFT (first body bytes) and TPOT ((end -
 first) / (completion tokens - 1)). A non-streamed answer arrives whole, so it gives
 lengths but no TTFT/TPOT. While a request is open, its `InFlight` ticket holds the answer
 tokens streamed so far: a lower bound of its length, which keeps the mean answer over the
@@ -97,19 +98,29 @@ class StreamTally:
         if self.ticket is not None:
             self.ticket.tokens = max(self.events, 0)
 
-    def token_counts(self) -> tuple[int, int]:
-        """The last event's counts; else the number of events as the completion tokens."""
+    def token_counts(self, requests: int = 1) -> tuple[int, int]:
+        """One request's (prompt, completion) tokens, of a stream that carries `requests` of them: the last
+        event's counts (a /generate event's `meta_info` is its own item's; an OpenAI `usage` counts them
+        all); else the events (a token each) over the requests."""
         for event in reversed(self.tail.split(b"data:")):
             event = event.strip()
-            if event.startswith(b"{"):
-                prompt, completion = body_token_counts(event)
-                if completion:
+            if not event.startswith(b"{"):
+                continue
+            try:
+                answer = msgspec.json.decode(event)
+            except msgspec.DecodeError:
+                continue
+            prompt, completion = token_counts(answer)
+            if completion:
+                if isinstance(answer, dict) and isinstance(answer.get("meta_info"), dict):
                     return prompt, completion
-        return 0, max(self.events, 0)
+                return round(prompt / requests), round(completion / requests)
+        return 0, round(max(self.events, 0) / requests)
 
 
-def stream_observation(path: str, started_at: float, tally: StreamTally, ended_at: float) -> Observation:
-    prompt, completion = tally.token_counts()
+def stream_observation(path: str, started_at: float, tally: StreamTally, ended_at: float,
+                       requests: int = 1) -> Observation:
+    prompt, completion = tally.token_counts(requests)
     tpot = (ended_at - tally.first_at) / (completion - 1) if completion > 1 else None
     return Observation(path=path, prompt_tokens=prompt, completion_tokens=completion, arrived_at=started_at,
                        ttft_s=tally.first_at - started_at, tpot_s=tpot)
@@ -134,12 +145,14 @@ class TrafficWindow:
         self.open: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.mix_shifts = 0
 
-    def arrival(self, now: float) -> Optional[InFlight]:
-        """Counts an arrival. In the first window, a ticket for its caller to keep current, open until
-        `completion` or `forget`; later None (only the first window's mean answer reads the open requests)."""
-        self.arrivals.append(now)
-        self.arrival_history.append(now)
-        if now - self.started_at >= self.window_s:
+    def arrival(self, now: float, requests: int = 1) -> Optional[InFlight]:
+        """Counts `requests` arrivals (one body may carry several). In the first window, a ticket for its
+        caller to keep current, open until `completion` or `forget`, for a single request; else None (only
+        the first window's mean answer reads the open requests, and a batch's stream counts all its items'
+        tokens together)."""
+        self.arrivals.extend([now] * requests)
+        self.arrival_history.extend([now] * requests)
+        if requests != 1 or now - self.started_at >= self.window_s:
             return None
         ticket = InFlight(now)
         self.open.add(ticket)
@@ -149,11 +162,12 @@ class TrafficWindow:
         if ticket is not None:
             self.open.discard(ticket)
 
-    def completion(self, now: float, obs: Observation, ticket: Optional[InFlight] = None) -> None:
+    def completion(self, now: float, obs: Observation, ticket: Optional[InFlight] = None, requests: int = 1) -> None:
+        """`requests` requests ended, each as `obs` says (one body's items share their observation)."""
         self.forget(ticket)
-        self.completions.append((now, obs))
+        self.completions.extend([(now, obs)] * requests)
         if obs.completion_tokens > 0:
-            self.length_history.append((now, obs.prompt_tokens, obs.completion_tokens, obs.arrived_at))
+            self.length_history.extend([(now, obs.prompt_tokens, obs.completion_tokens, obs.arrived_at)] * requests)
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s

@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 MAX_AFFINITY_CHARS = 16384
+# the most generation requests the planner's window counts for one body: what the servers' default limits allow
+# (--max-n 64 x --max-batch-size-per-request 256)
+MAX_COUNTED_REQUESTS = 64 * 256
 _ROOM_RNG = random.SystemRandom()
 
 
@@ -54,6 +57,30 @@ def batch_size(route: str, body: dict) -> Optional[int]:
     if isinstance(ids, list) and ids and isinstance(ids[0], list):
         return len(ids)
     return None
+
+
+def requests_in(route: str, body: dict) -> int:
+    """The generation requests one body makes, as the server counts them (the planner's arrivals): a
+    batched /generate's items, each times its `sampling_params.n`; an OpenAI completion's prompts times
+    `n`; a chat's `n`. At most MAX_COUNTED_REQUESTS: a body past the servers' limits is refused, and the
+    count must not cost the router memory in proportion to a number the client wrote."""
+    if route == "/generate":
+        items = batch_size(route, body) or 1
+        sp = body.get("sampling_params")
+        per_item = sp[:items] if isinstance(sp, list) else [sp] * items
+        count = sum(_samples(p.get("n") if isinstance(p, dict) else None) for p in per_item)
+    else:
+        prompts = 1
+        prompt = body.get("prompt")
+        if (not route.endswith("/chat/completions") and isinstance(prompt, list) and prompt
+                and not all(isinstance(x, int) for x in prompt)):
+            prompts = len(prompt)  # a list of prompts (strings or token lists), not one prompt's token ids
+        count = prompts * _samples(body.get("n"))
+    return max(1, min(count, MAX_COUNTED_REQUESTS))
+
+
+def _samples(n: Any) -> int:
+    return min(n, MAX_COUNTED_REQUESTS) if isinstance(n, int) and not isinstance(n, bool) and n >= 1 else 1
 
 
 def inject_bootstrap(body: dict, route: str, prefill: Worker) -> dict:
@@ -187,7 +214,8 @@ class Dispatcher:
         stream = bool(body.get("stream"))
         text = request_text(route, body)
         started_at = time.monotonic()
-        ticket = self.observer.arrival(started_at) if self.observer is not None else None
+        count = requests_in(route, body)
+        ticket = self.observer.arrival(started_at, count) if self.observer is not None else None
         tried: set[str] = set()
         last: Optional[Failure] = None
         for attempt in range(self.cfg.max_retries + 1):
@@ -203,7 +231,7 @@ class Dispatcher:
                 out = await self._whole_attempt(route, body, first, stream, auth)
             if isinstance(out, Response):
                 self.metrics.requests.labels(route, str(out.status_code)).inc()
-                self._observe(PD_PATH if kind == "pd" else NULL_PATH, started_at, out, ticket)
+                self._observe(PD_PATH if kind == "pd" else NULL_PATH, started_at, out, ticket, count)
                 return out
             last = out
             tried.update(w.url for w in (first, second) if w is not None)
@@ -217,8 +245,10 @@ class Dispatcher:
         self.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
 
-    def _observe(self, path: str, started_at: float, out: Response, ticket: Optional[InFlight]) -> None:
-        """Tell the planner's window how a successful request went (a stream: as it goes, and once it ends)."""
+    def _observe(self, path: str, started_at: float, out: Response, ticket: Optional[InFlight],
+                 count: int = 1) -> None:
+        """Tell the planner's window how a successful request went (a stream: as it goes, and once it ends);
+        `count`: the generation requests it made (`requests_in`), each observed with its share of the tokens."""
         if self.observer is None:
             return
         if not 200 <= out.status_code < 300:
@@ -230,16 +260,17 @@ class Dispatcher:
             def ended(completed: bool) -> None:
                 if completed:
                     now = time.monotonic()
-                    self.observer.completion(now, stream_observation(path, started_at, tally, now), ticket)
+                    self.observer.completion(now, stream_observation(path, started_at, tally, now, count), ticket,
+                                             count)
                 else:
                     self.observer.forget(ticket)
 
             out.on_end = ended
             return
-        prompt, completion = body_token_counts(out.body)
-        self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=prompt,
-                                                               completion_tokens=completion, arrived_at=started_at),
-                                 ticket)
+        prompt, completion = body_token_counts(out.body)  # summed over a batch's items
+        self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=round(prompt / count),
+                                                               completion_tokens=round(completion / count),
+                                                               arrived_at=started_at), ticket, count)
 
     # ------------------------------------------------------------ one attempt
 
