@@ -131,6 +131,7 @@ class MockWorker:
             meta["output_token_logprobs"] = [[-0.1, 7, None]]
         if self.role == "prefill":
             return {"text": "", "output_ids": [7], "meta_info": meta}
+        meta.update(first_token_latency=0.01, e2e_latency=0.03)  # the server's own clock: 10 ms a token
         return {"text": f"{self.name} says hi", "output_ids": [7, 8, 9], "meta_info": meta}
 
     def stream_bytes(self, path: str, body: dict) -> list[bytes]:

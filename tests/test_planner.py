@@ -382,6 +382,28 @@ def test_a_batched_stream_gives_one_items_tokens():
     assert (obs.prompt_tokens, obs.completion_tokens) == (0, 3) and obs.tpot_s == pytest.approx(1.0)
 
 
+def test_a_whole_answer_gives_the_servers_own_ttft_and_tpot():
+    from tidal.planner.window import whole_observation
+
+    one = b'{"meta_info":{"prompt_tokens":7,"completion_tokens":5,"first_token_latency":0.5,"e2e_latency":2.5}}'
+    obs = whole_observation("null", 1.0, one)
+    assert (obs.prompt_tokens, obs.completion_tokens, obs.ttft_s, obs.tpot_s) == (7, 5, 0.5, 0.5)
+    batch = (b'[{"meta_info":{"prompt_tokens":4,"completion_tokens":3,"first_token_latency":1.0,"e2e_latency":2.0}},'
+             b'{"meta_info":{"prompt_tokens":6,"completion_tokens":1,"first_token_latency":2.0,"e2e_latency":2.0}}]')
+    obs = whole_observation("pd", 1.0, batch, requests=2)
+    assert (obs.prompt_tokens, obs.completion_tokens) == (5, 2)
+    assert obs.ttft_s == pytest.approx(1.5) and obs.tpot_s == pytest.approx(0.5)  # one answer has no TPOT
+    for says_nothing in (b'{"usage":{"prompt_tokens":5,"completion_tokens":2}}',
+                         b'{"meta_info":{"prompt_tokens":5,"completion_tokens":2,"e2e_latency":1.0}}', b"not json"):
+        obs = whole_observation("pd", 1.0, says_nothing)
+        assert obs.ttft_s is None and obs.tpot_s is None
+    w = TrafficWindow(window_s=10.0, started_at=0.0)
+    w.arrival(1.0)
+    w.completion(3.5, whole_observation("null", 1.0, one))
+    t = w.traffic(4.0)
+    assert t.ttft_s == {"null": 0.5} and t.tpot_s == {"null": 0.5}
+
+
 def test_cost_model_interpolates_and_extrapolates():
     assert COST.prefill_seconds(500) == pytest.approx(0.5, rel=1e-3)
     assert COST.prefill_seconds(2000) == pytest.approx(2.0, rel=1e-3)

@@ -124,6 +124,8 @@ def test_a_batched_request_counts_each_item_toward_the_window(workers):
         traffic = window.traffic(time.monotonic())
     # each item: 4 prompt tokens and 3 answer tokens (the mock's), not the batch's 12 and 9
     assert traffic.completed == 3 and traffic.mean_input_tokens == 4 and traffic.mean_output_tokens == 3
+    # a whole answer's TTFT and TPOT: the server's own (the mock's meta_info)
+    assert traffic.ttft_s == {"pd": pytest.approx(0.01)} and traffic.tpot_s == {"pd": pytest.approx(0.01)}
 
 
 def test_static_planner_serves_status_and_never_moves(workers, tmp_path):

@@ -182,6 +182,7 @@ def test_generate_single(url):
     meta = out["meta_info"]
     assert meta["finish_reason"] == {"type": "length", "length": 5}
     assert meta["prompt_tokens"] == 2 and meta["completion_tokens"] == 5 and meta["e2e_latency"] > 0
+    assert 0 < meta["first_token_latency"] <= meta["e2e_latency"]  # the TTFT a whole reply hides
     assert {"id", "cached_tokens"} <= set(meta)
 
 

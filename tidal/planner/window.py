@@ -4,8 +4,9 @@ Every request counts as an arrival when the dispatcher takes it (a body that mak
 batched /generate or `n` samples, as that many). A request that succeeds adds its prompt and
 completion token counts (from `meta_info` or `usage` in its last JSON answer; a batch's
 shared out over its requests) and, when it was streamed, its TTFT (first body bytes) and TPOT ((end -
-first) / (completion tokens - 1)). A non-streamed answer arrives whole, so it gives
-lengths but no TTFT/TPOT. While a request is open, its `InFlight` ticket holds the answer
+first) / (completion tokens - 1)). A non-streamed answer arrives whole: its TTFT and TPOT are
+the server's own (`meta_info.first_token_latency` and `e2e_latency`, /generate only), else
+it gives lengths only. While a request is open, its `InFlight` ticket holds the answer
 tokens streamed so far: a lower bound of its length, which keeps the mean answer over the
 router's first window from counting only the quickest requests.
 """
@@ -83,6 +84,23 @@ def body_token_counts(body: bytes) -> tuple[int, int]:
         return 0, 0
 
 
+def server_latencies(answer: Any) -> tuple[Optional[float], Optional[float]]:
+    """(TTFT, TPOT) of a whole /generate answer by the server's own clock: `meta_info.first_token_latency`
+    and (e2e_latency - it) / (completion_tokens - 1), the mean over a batch's items; None where it does not
+    say (an OpenAI answer, or a server without the field)."""
+    ttfts, tpots = [], []
+    for item in answer if isinstance(answer, list) else [answer]:
+        meta = item.get("meta_info") if isinstance(item, dict) else None
+        first = meta.get("first_token_latency") if isinstance(meta, dict) else None
+        if not isinstance(first, (int, float)):
+            continue
+        ttfts.append(float(first))
+        e2e, tokens = meta.get("e2e_latency"), meta.get("completion_tokens")
+        if isinstance(e2e, (int, float)) and isinstance(tokens, int) and tokens > 1:
+            tpots.append((e2e - first) / (tokens - 1))
+    return (_mean(ttfts) if ttfts else None), (_mean(tpots) if tpots else None)
+
+
 class StreamTally:
     """Counts a relayed SSE stream's events and keeps its tail, for the last event's counts."""
 
@@ -116,6 +134,19 @@ class StreamTally:
                     return prompt, completion
                 return round(prompt / requests), round(completion / requests)
         return 0, round(max(self.events, 0) / requests)
+
+
+def whole_observation(path: str, started_at: float, body: bytes, requests: int = 1) -> Observation:
+    """A non-streamed answer's observation, per request of the `requests` it carries: its share of the token
+    counts, and the server's own TTFT and TPOT (`server_latencies`) when it reports them."""
+    try:
+        answer = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        answer = None
+    prompt, completion = token_counts(answer)
+    ttft, tpot = server_latencies(answer)
+    return Observation(path=path, prompt_tokens=round(prompt / requests), completion_tokens=round(completion / requests),
+                       arrived_at=started_at, ttft_s=ttft, tpot_s=tpot)
 
 
 def stream_observation(path: str, started_at: float, tally: StreamTally, ended_at: float,

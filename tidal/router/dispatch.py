@@ -20,7 +20,7 @@ import msgspec
 from starlette.responses import Response
 
 from tidal.planner.schema import NULL_PATH, PD_PATH
-from tidal.planner.window import InFlight, Observation, StreamTally, body_token_counts, stream_observation
+from tidal.planner.window import InFlight, StreamTally, stream_observation, whole_observation
 from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
@@ -181,7 +181,8 @@ class Dispatcher:
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, policies: dict[str, Policy],
                  session: aiohttp.ClientSession, metrics: RouterMetrics, observer: Any = None) -> None:
         self.cfg = cfg
-        # the planner's TrafficWindow: arrival(now) -> ticket, completion(now, Observation, ticket), forget(ticket)
+        # the planner's TrafficWindow: arrival(now, requests) -> ticket, completion(now, Observation, ticket, requests),
+        # forget(ticket)
         self.observer = observer
         self.registry = registry
         self.policies = policies  # per pool: PREFILL, DECODE, NULL
@@ -267,10 +268,8 @@ class Dispatcher:
 
             out.on_end = ended
             return
-        prompt, completion = body_token_counts(out.body)  # summed over a batch's items
-        self.observer.completion(time.monotonic(), Observation(path=path, prompt_tokens=round(prompt / count),
-                                                               completion_tokens=round(completion / count),
-                                                               arrived_at=started_at), ticket, count)
+        self.observer.completion(time.monotonic(), whole_observation(path, started_at, out.body, count), ticket,
+                                 count)
 
     # ------------------------------------------------------------ one attempt
 

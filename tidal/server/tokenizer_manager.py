@@ -170,6 +170,8 @@ class ReqState:
             "cached_tokens": self.cached_tokens,
             "e2e_latency": round(end - self.created, 6),
         }
+        if self.first_token_at is not None:  # arrival to the first output token: the TTFT a non-streamed reply hides
+            meta["first_token_latency"] = round(self.first_token_at - self.created, 6)
         if self.req.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
