@@ -212,6 +212,28 @@ def test_stop_token_ids_and_streaming_increments():
     assert chunks[-1].finish_reason.type == "stop" and chunks[-1].finish_reason.matched == ref[3]
 
 
+@pytest.mark.parametrize("stream_interval", [1, 4])
+def test_the_first_token_goes_out_at_once_streamed_or_not(stream_interval):
+    """The API process times a request's TTFT (its metrics, meta_info.first_token_latency) by the first
+    output that reaches it: a non-streamed request's, or a stream's under a longer --stream-interval, must
+    not wait for the end or the interval."""
+    sched = make_sched(stream_interval=stream_interval)
+    submit(sched, "whole", [7, 8, 9], 6)
+    submit(sched, "streamed", [4, 5, 6], 6, stream=True)
+    outputs: list = []
+    for _ in range(100):
+        did = sched.step()
+        outputs += sched.take_outbox()
+        if not did and sched.is_idle():
+            break
+    for rid in ("whole", "streamed"):
+        mine = [o for o in outputs if o.rid == rid]
+        assert len(mine[0].new_token_ids) == 1 and mine[0].finish_reason is None
+        assert sum(len(o.new_token_ids) for o in mine) == 6 and mine[-1].finish_reason is not None
+    whole = [o for o in outputs if o.rid == "whole"]
+    assert len(whole) == 2  # the first token, then the rest with the finish
+
+
 def test_flush_cache_and_stats():
     sched = make_sched()
     submit(sched, "a", list(range(1, 30)), 3)

@@ -447,6 +447,9 @@ class Scheduler:
     def emit(self, req: Req) -> None:
         if req.finished:
             self.outbox.append(req.take_output(final=True))
+        elif req.sent_len == 0 and req.output_ids:
+            # the first token goes out at once, streamed or not: the API process times the TTFT by its arrival
+            self.outbox.append(req.take_output(final=False))
         elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
             self.outbox.append(req.take_output(final=False))
 
