@@ -404,6 +404,18 @@ def test_a_whole_answer_gives_the_servers_own_ttft_and_tpot():
     assert t.ttft_s == {"null": 0.5} and t.tpot_s == {"null": 0.5}
 
 
+def test_a_stream_that_reports_no_prompt_length_leaves_the_prompt_statistics_alone():
+    w = TrafficWindow(window_s=10.0, started_at=0.0)
+    for k in range(4):
+        w.arrival(1.0)
+        w.completion(2.0, Observation(path="pd", prompt_tokens=300, completion_tokens=10))
+        w.arrival(1.0)
+        w.completion(2.0, Observation(path="pd", prompt_tokens=0, completion_tokens=30))  # events only
+    t = w.traffic(5.0)
+    assert t.mean_input_tokens == 300 and set(t.input_tokens_deciles) == {300}
+    assert t.mean_output_tokens == 20 and t.completed == 8
+
+
 def test_cost_model_interpolates_and_extrapolates():
     assert COST.prefill_seconds(500) == pytest.approx(0.5, rel=1e-3)
     assert COST.prefill_seconds(2000) == pytest.approx(2.0, rel=1e-3)

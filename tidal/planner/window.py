@@ -6,7 +6,8 @@ completion token counts (from `meta_info` or `usage` in its last JSON answer; a 
 shared out over its requests) and, when it was streamed, its TTFT (first body bytes) and TPOT ((end -
 first) / (completion tokens - 1)). A non-streamed answer arrives whole: its TTFT and TPOT are
 the server's own (`meta_info.first_token_latency` and `e2e_latency`, /generate only), else
-it gives lengths only. While a request is open, its `InFlight` ticket holds the answer
+it gives lengths only. A stream without token counts (OpenAI's without `usage`) gives its
+answer's length as its events and no prompt length (0: left out of the prompt statistics). While a request is open, its `InFlight` ticket holds the answer
 tokens streamed so far: a lower bound of its length, which keeps the mean answer over the
 router's first window from counting only the quickest requests.
 """
@@ -226,7 +227,7 @@ class TrafficWindow:
         if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_SHIFT_WINDOW_SAMPLES:
             return False
         for k in (0, 1):
-            old, new = _mean([x[k] for x in before]), _mean([x[k] for x in window])
+            old, new = _mean([x[k] for x in before if x[k] > 0]), _mean([x[k] for x in window if x[k] > 0])
             if old > 0 and new > 0 and max(old / new, new / old) >= MIX_SHIFT_RATIO:
                 return True
         return False
@@ -246,9 +247,10 @@ class TrafficWindow:
             if o.tpot_s is not None:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
         rate = len(self.arrivals) / span
+        prompts = [p for p, _ in lengths if p > 0]  # 0: not reported (an OpenAI stream without usage)
         return Traffic(arrival_rate=rate,
-                       mean_input_tokens=_mean([p for p, _ in lengths]),
-                       input_tokens_deciles=deciles([p for p, _ in lengths]),
+                       mean_input_tokens=_mean(prompts),
+                       input_tokens_deciles=deciles(prompts),
                        mean_output_tokens=self._mean_answer(now, _mean([c for _, c in lengths])),
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
