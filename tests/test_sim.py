@@ -209,21 +209,62 @@ def test_phase_layouts_follow_the_phases_of_the_clock(tmp_path, clock, first_mov
     assert [t for t in starts if t % 5] == [] and not set(not_then) & set(starts)
 
 
+def sim_error(capsys, argv: list[str]) -> str:
+    """`tidal sim` refuses the flags: exit status 2 and one `tidal sim: error:` line, which it returns."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("tidal sim: error: ") and "\n" not in err and "Traceback" not in err
+    return err
+
+
 def test_phase_layouts_are_checked(capsys):
-    with pytest.raises(SystemExit, match="must add up to --instances 4"):
-        main(["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
+    assert "must add up to --instances 4" in sim_error(capsys, ["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--instances", "-3"], "--instances must be >= 1"),
+    (["--prefill", "-1"], "--prefill must be >= 0"),
+    (["--profile", "/nonexistent.json"], "profile /nonexistent.json"),
+    (["--planner-profile", "/nonexistent.json"], "profile /nonexistent.json"),
+    (["--ttft-slo-ms", "-1"], "--ttft-slo-ms"),
+    (["--planner-interval-s", "0"], "--planner-interval-s"),
+    (["--planner-max-concurrent-moves", "0"], "--planner-max-concurrent-moves"),
+    (["--planner-hysteresis", "-1"], "--planner-hysteresis"),
+    (["--host-cores", "0"], "--host-cores must be > 0"),
+    (["--max-running-requests", "0"], "--max-running-requests must be >= 1"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size"),
+    (["--target-attainment", "2"], "--target-attainment"),
+    (["--split-step", "0"], "--split-step"),
+    (["--output", "/nonexistent-dir/x.json"], "no directory /nonexistent-dir"),
+    (["--trace", "/nonexistent.csv"], "--trace /nonexistent.csv: not found"),
+    (["goodput", "--layouts", "planer"], "'planer' is none of"),
+    (["goodput", "--layouts", "3:3", "--instances", "4"], "at most --instances 4"),
+    (["goodput", "--plot", "x.png"], "--plot draws one run"),
+    (["calibrate"], "calibrate needs --bench-json"),
+])
+def test_bad_flags_are_one_clear_line_before_anything_runs(capsys, flags, says):
+    argv = ["sim"] + flags if flags[0] in ("goodput", "calibrate") else ["sim", "run"] + flags
+    assert says in sim_error(capsys, argv)
+
+
+def test_goodput_searches_a_split_named_in_layouts(tmp_path):
+    d = sim_json(tmp_path, "named", "goodput", "--instances", "4", "--layouts", "1:2,planner", "--duration-s", "60",
+                 "--rate-tolerance", "0.2")
+    assert [r["layout"] for r in d["results"]] == ["static 1:2 + 1 null", "planner from 2:2"]
+    assert d["best_static"] == "static 1:2 + 1 null" and d["results"][0]["null"] == 1
 
 
 @pytest.mark.parametrize("flag, value", [("--phase-s", "0"), ("--phase-s", "-5"), ("--duration-s", "0"),
                                          ("--duration-s", "-10"), ("--rate-scale", "0"), ("--phase-rate-ratio", "0"),
                                          ("--phase-s", "nan")])
 @pytest.mark.parametrize("workload", ["azure-shift", "shift"])
-def test_a_workload_that_cannot_be_made_is_an_error_naming_its_flag(workload, flag, value):
+def test_a_workload_that_cannot_be_made_is_an_error_naming_its_flag(capsys, workload, flag, value):
     """Before: --phase-s 0 looped for ever on azure-shift, --duration-s 0 divided by zero after the run."""
-    with pytest.raises(SystemExit, match=f"tidal sim: error: {flag} must be a positive number"):
-        main(["sim", "--instances", "2", "--workload", workload, flag, value])
-    with pytest.raises(SystemExit, match=f"{flag} must be a positive number"):
-        main(["sim", "goodput", "--instances", "2", "--workload", workload, flag, value])
+    for action in ("run", "goodput"):
+        assert f"{flag} must be a positive number" in sim_error(
+            capsys, ["sim", action, "--instances", "2", "--workload", workload, flag, value])
 
 
 def test_planner_starts_the_moves_toward_its_target_together(tmp_path):
@@ -410,8 +451,8 @@ def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
 
 
 def test_cli_refuses_a_layout_that_does_not_add_up(capsys):
-    with pytest.raises(SystemExit):
-        main(["sim", "--instances", "4", "--prefill", "3", "--decode", "3"])
+    assert "must add up to --instances 4" in sim_error(capsys, ["sim", "--instances", "4", "--prefill", "3",
+                                                                 "--decode", "3"])
 
 
 def test_split_step_refines_around_the_best_split():

@@ -146,9 +146,12 @@ def resolve_trace_file(dataset: str, dataset_path: Optional[str]) -> str:
     """A CSV path from --dataset-path (a file or the trace directory) or the default dir."""
     if dataset_path and os.path.isfile(dataset_path):
         return dataset_path
+    if dataset_path and not os.path.isdir(dataset_path):
+        raise SystemExit(f"Azure trace not found: {dataset_path} (give a trace CSV or the directory holding "
+                         f"{AZURE_FILES[dataset]})")
     path = os.path.join(dataset_path or default_azure_dir(), AZURE_FILES[dataset])
     if not os.path.isfile(path):
-        raise SystemExit(f"Azure trace not found: {path} (pass --dataset-path)")
+        raise SystemExit(f"Azure trace not found: {path} (give a trace CSV or the directory holding it)")
     return path
 
 

@@ -392,10 +392,10 @@ def toward(target: Prediction, heading: dict[str, int], legal: list[Candidate]) 
     return out
 
 
-def _hold(now: float, reason: str, current: Optional[Prediction] = None,
+def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = None,
           cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None,
           target: Optional[Prediction] = None) -> Decision:
-    return Decision(at=now, kind="hold", reason=reason, current=current, candidates=cands or [], best=best,
+    return Decision(at=now, kind="hold", why=why, reason=reason, current=current, candidates=cands or [], best=best,
                     target=target)
 
 
@@ -403,7 +403,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
            cost: Any = None) -> Decision:
     """The decision for this interval. `loads`: the workers in a pool now (healthy, not switching)."""
     if cfg.mode != "sla":
-        return _hold(now, "planner is static")
+        return _hold(now, "static", "planner is static")
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
@@ -411,16 +411,16 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     predictor = make_predictor(cfg, cost, pools)
     current = predictor.predict(heading, load, traffic)
     if current is None:
-        return _hold(now, "no observed TTFT/TPOT yet (streamed requests) and no --planner-profile")
+        return _hold(now, "no_observations", "no observed TTFT/TPOT yet (streamed requests) and no --planner-profile")
     cands = candidates(now, cfg, state, loads, predictor, load, traffic)
     if traffic.arrival_rate <= 0:
-        return _hold(now, "no arrivals in the window", current, cands)
+        return _hold(now, "no_arrivals", "no arrivals in the window", current, cands)
     if cost is not None and traffic.mean_input_tokens <= 0:
-        return _hold(now, "no request finished in the window yet: lengths unknown", current, cands)
+        return _hold(now, "no_lengths", "no request finished in the window yet: lengths unknown", current, cands)
     current.capacity = capacity(predictor, heading, load, traffic) or 0.0
     target = best_layout(predictor, heading, load, traffic, cfg.min_per_pool, current)
     if target is None:
-        return _hold(now, "no allowed layout", current, cands)
+        return _hold(now, "no_layout", "no allowed layout", current, cands)
     target = kept_target(predictor, state, heading, target, load, traffic, cfg.min_per_pool)
     if target.pools == heading:
         state.committed = None
@@ -435,16 +435,16 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         pays, what = True, f"{what} (committed)"
     why = f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
     if not pays:
-        return _hold(now, f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
+        return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
                      current, cands, target=target)
     legal = [c for c in cands if c.legal and c.prediction is not None]
     best = toward(target, heading, legal)
     if len(state.in_flight) >= cfg.max_concurrent_moves:
-        return _hold(now, f"{len(state.in_flight)} move(s) in flight; {why}", current, cands, best, target)
+        return _hold(now, "moves_in_flight", f"{len(state.in_flight)} move(s) in flight; {why}", current, cands, best, target)
     if best is None:
         blocked = sorted({c.reason for c in cands if not c.legal and heading[c.src] > target.pools[c.src]
                           and heading[c.dst] < target.pools[c.dst]})
-        return _hold(now, f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
+        return _hold(now, "no_legal_move", f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
                      current, cands, target=target)
     state.committed = target.pools
     return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current, best=best,

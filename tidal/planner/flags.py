@@ -18,7 +18,11 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-profile", "planner_profile"))
 
 
-def add_planner_args(parser: argparse.ArgumentParser) -> None:
+PROFILE_HELP = ("a `tidal profile` JSON: predict with its cost model (default: none; then the planner scales the "
+                "observed latencies by load)")
+
+
+def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFILE_HELP) -> None:
     d = PlannerConfig()
     g = parser.add_argument_group("planner (moves workers between the prefill, decode and null pools)")
     g.add_argument("--planner", choices=("static", "sla"), default=d.mode,
@@ -51,9 +55,7 @@ def add_planner_args(parser: argparse.ArgumentParser) -> None:
                         f"both SLOs hold) by this fraction before the planner heads for it; "
                         f"{MEETS_TODAY_GAIN * 100:g}%% when it meets today's rate and the current layout does not "
                         f"(default: {d.hysteresis:g})")
-    g.add_argument("--planner-profile", default=None, metavar="PATH",
-                   help="a `tidal profile` JSON: predict with its cost model (default: none; then the planner "
-                        "scales the observed latencies by load)")
+    g.add_argument("--planner-profile", default=None, metavar="PATH", help=profile_help)
 
 
 def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:

@@ -76,6 +76,9 @@ class Decision(msgspec.Struct, kw_only=True):
     at: float  # the planner clock (seconds)
     kind: str  # "move" or "hold"
     reason: str
+    # a hold's cause, stable for counting: static, no_observations, no_arrivals, no_lengths, no_layout,
+    # gain_too_small, moves_in_flight, no_legal_move ("" for a move)
+    why: str = ""
     url: str = ""
     src: str = ""
     dst: str = ""
@@ -116,6 +119,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
         if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
             raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
                              "--planner-max-concurrent-moves >= 1")
+        if self.hysteresis < 0 or (self.worker_cooldown_s is not None and self.worker_cooldown_s < 0):
+            raise ValueError("--planner-hysteresis and --planner-worker-cooldown-s must be >= 0")
 
     @property
     def per_worker_cooldown_s(self) -> float:

@@ -6,7 +6,7 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import msgspec
 
@@ -103,7 +103,65 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "per workload phase (shift, azure-shift), every move at once from the phase's start: what a "
                         "planner that knew the phases could do, paying the same drains and switches "
                         "(default: none)")
-    add_planner_args(p)
+    add_planner_args(p, profile_help="the `tidal profile` JSON the planner predicts with (default: --profile's; "
+                                     "another to simulate a planner whose cost model is off)")
+
+
+LAYOUT_NAMES = ("colocated", "static", "planner", "phases")
+
+
+def fail(message: str) -> NoReturn:
+    sys.stderr.write(f"tidal sim: error: {message}\n")
+    raise SystemExit(2)
+
+
+def static_layouts(ns: argparse.Namespace) -> list[tuple[int, int]]:
+    """The PREFILL:DECODE entries of --layouts (static splits searched one by one)."""
+    out = []
+    for name in ns.layouts.split(","):
+        if name in LAYOUT_NAMES:
+            continue
+        try:
+            p, d = (int(x) for x in name.split(":"))
+        except ValueError:
+            fail(f"--layouts: {name!r} is none of {', '.join(LAYOUT_NAMES)} and not PREFILL:DECODE")
+        if min(p, d) < 1 or p + d > ns.instances:
+            fail(f"--layouts: {name!r} needs a prefill and a decode worker and at most --instances {ns.instances}")
+        out.append((p, d))
+    return out
+
+
+def check_args(ns: argparse.Namespace) -> None:
+    """Bad flags as one line and exit status 2, before anything runs."""
+    if ns.instances < 1:
+        fail("--instances must be >= 1")
+    for name in ("null", "prefill", "decode"):
+        if getattr(ns, name) is not None and getattr(ns, name) < 0:
+            fail(f"--{name} must be >= 0")
+    if ns.host_cores is not None and ns.host_cores <= 0:
+        fail("--host-cores must be > 0 (leave it out: every instance has its own cores)")
+    if not 0 < ns.target_attainment <= 1:
+        fail("--target-attainment must be in (0, 1]")
+    if ns.rate_tolerance <= 0 or ns.tolerance <= 0:
+        fail("--rate-tolerance and --tolerance must be > 0")
+    if ns.split_step < 1 or ns.max_prefill_tokens < 1:
+        fail("--split-step and --max-prefill-tokens must be >= 1")
+    try:
+        limits(ns)
+        planner_config_from_namespace(ns)
+    except ValueError as e:
+        fail(str(e))
+    for flag, path in (("--output", ns.output), ("--plot", ns.plot)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else ""
+        if path and not os.path.isdir(folder):
+            fail(f"{flag} {path}: no directory {folder}")
+    if ns.trace and not os.path.exists(ns.trace):
+        fail(f"--trace {ns.trace}: not found (an Azure trace CSV, or the directory holding it)")
+    if ns.plot and ns.action != "run":
+        fail("--plot draws one run: `tidal sim run`")
+    if ns.action == "calibrate" and not (ns.bench_json and os.path.isfile(ns.bench_json)):
+        fail(f"calibrate needs --bench-json, a `tidal bench --output-file` JSON (not found: {ns.bench_json})")
+    static_layouts(ns)
 
 
 def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
@@ -116,16 +174,19 @@ def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
     if d is None:
         d = n - k - p
     if min(n, k, p, d) < 0 or k + p + d != n:
-        raise SystemExit(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}")
+        fail(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}, none below 0")
     if not has_path({"null": k, "prefill": p, "decode": d}):
-        raise SystemExit("need a null server, or a prefill and a decode server")
+        fail("need a null server, or a prefill and a decode server")
     return k, p, d
 
 
 def load_cost(path: str) -> Any:
     from tidal.profile.cost import CostModel
 
-    return CostModel.from_file(path)
+    try:
+        return CostModel.from_file(path)
+    except (OSError, ValueError) as e:  # ProfileFormatError is a ValueError
+        fail(f"profile {path}: {e}")
 
 
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
@@ -136,8 +197,10 @@ def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) ->
 
 
 def limits(ns: argparse.Namespace) -> Limits:
-    return Limits(ServerArgs(chunked_prefill_size=ns.chunked_prefill_size,
-                             max_running_requests=ns.max_running_requests, max_prefill_tokens=ns.max_prefill_tokens))
+    args = ServerArgs(chunked_prefill_size=ns.chunked_prefill_size, max_running_requests=ns.max_running_requests,
+                      max_prefill_tokens=ns.max_prefill_tokens)
+    args.validate()
+    return Limits(args)
 
 
 def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
@@ -149,11 +212,11 @@ def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
         try:
             p, d, n = (int(x) for x in item.split(":"))
         except ValueError:
-            raise SystemExit(f"--phase-layouts: {item!r} is not PREFILL:DECODE:NULL") from None
+            fail(f"--phase-layouts: {item!r} is not PREFILL:DECODE:NULL")
         lay = {"prefill": p, "decode": d, "null": n}
         if min(p, d, n) < 0 or p + d + n != ns.instances or not has_path(lay):
-            raise SystemExit(f"--phase-layouts: {item!r} must add up to --instances {ns.instances} and keep a "
-                             "null worker or a prefill and a decode one")
+            fail(f"--phase-layouts: {item!r} must add up to --instances {ns.instances} and keep a "
+                 "null worker or a prefill and a decode one")
         out.append(lay)
     return tuple(out)
 
@@ -190,11 +253,12 @@ def write_json(obj: Any, path: Optional[str]) -> None:
 
 
 def run_sim(ns: argparse.Namespace) -> int:
+    check_args(ns)
     spec = workload_spec(ns)
     try:
         check(spec)
     except ValueError as e:
-        raise SystemExit(f"tidal sim: error: {e}") from None
+        fail(str(e))
     cost = load_cost(ns.profile)
     planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
     if ns.action == "calibrate":

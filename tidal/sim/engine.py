@@ -345,7 +345,7 @@ class Cluster:
         while True:  # as the live loop: decide until it holds
             d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry), traffic,
                        self.planner_cost)
-            key = "move" if d.kind == "move" else d.reason.split(",")[0].split(" ")[0]
+            key = "move" if d.kind == "move" else f"hold: {d.why}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
             if d.kind != "move":
                 break

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import layout, phase_layouts, simulate, workload_spec
+from tidal.sim.cli import layout, phase_layouts, simulate, static_layouts, workload_spec
 from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
@@ -66,6 +67,10 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
            "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
            "seconds": round(time.perf_counter() - t0, 2)}
+    if scale >= start * 2 ** MAX_DOUBLINGS:  # every probe met the SLOs: the workload is too small to load it
+        out["at_search_limit"] = True
+        sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs up to the search's limit (rate scale "
+                         f"{scale:g}); its goodput is a lower bound: give a longer --duration-s\n")
     if lay.mode in ("sla", "phases") and scale > 0:
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost)
         out["moves_at_goodput"] = len(c.moves)
@@ -106,8 +111,12 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
         return r
 
     best = None
-    if "static" in which:
-        statics = static_splits(ns, measure)
+    statics = static_splits(ns, measure) if "static" in which else []
+    for p, d in static_layouts(ns):  # splits named in --layouts (the rest of the workers null)
+        name = f"static {p}:{d}" + (f" + {n - p - d} null" if p + d < n else "")
+        statics.append(goodput_of(ns, Layout(name, n - p - d, p, d, "static"), cost, planner_cost, last[0]))
+        last[0] = statics[-1]["rate_scale"] or start
+    if statics:
         best = max(statics, key=lambda r: r["goodput_rps"])
         best["best_static"] = True
         results += statics
