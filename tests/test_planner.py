@@ -474,6 +474,22 @@ def test_cluster_passes_planner_flags_to_its_router_and_lets_servers_switch():
     assert [b for _, _, _, b in plan_servers(static)] == [8998, None]
 
 
+def test_cluster_refuses_bad_planner_flags_before_starting_a_server(tmp_path, capsys, monkeypatch):
+    import argparse
+
+    import tidal.cluster as cluster
+
+    parser = argparse.ArgumentParser()
+    cluster.add_cluster_args(parser)
+    started = []
+    monkeypatch.setattr(cluster.subprocess, "Popen", lambda *a, **k: started.append(a))
+    for flags, says in ((["--planner-profile", str(tmp_path / "missing.json")], "cannot read profile"),
+                        (["--planner-hysteresis", "-1"], "--planner-hysteresis")):
+        assert cluster.run_cluster(parser.parse_args(["--planner", "sla", *flags])) == 2
+        assert says in capsys.readouterr().err
+    assert started == []
+
+
 def test_router_refuses_an_unreadable_profile(tmp_path, capsys):
     import argparse
 

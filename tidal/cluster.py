@@ -23,7 +23,7 @@ import psutil
 from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member, usable_cpus
 from tidal.leftovers import sweep_stale_segments
-from tidal.planner.flags import add_planner_args, planner_argv
+from tidal.planner.flags import add_planner_args, planner_argv, planner_config_from_namespace
 from tidal.router.policies import POLICIES
 
 READY_TIMEOUT_S = 900.0
@@ -201,11 +201,27 @@ def stop_all(children: list[Child]) -> None:
     sweep_stale_segments()
 
 
+def planner_problem(ns: argparse.Namespace) -> str:
+    """What the router would refuse in the planner flags ("" when nothing), found before any server loads."""
+    from tidal.planner.loop import load_cost_model
+
+    try:
+        planner_config_from_namespace(ns)
+        load_cost_model(ns.planner_profile)
+    except (OSError, ValueError) as e:  # a profile's format error is a ValueError
+        return f"planner: {e}"
+    return ""
+
+
 def run_cluster(ns: argparse.Namespace) -> int:
     keys_from_env(ns)
     plan = plan_servers(ns)
     if not any(m == "null" for _, m, _, _ in plan) and (ns.prefill < 1 or ns.decode < 1):
         print("[cluster] needs at least one prefill and one decode server (or --worker)", file=sys.stderr)
+        return 2
+    problem = planner_problem(ns)
+    if problem:
+        print(f"[cluster] {problem}", file=sys.stderr)
         return 2
     cpu_plans = plan_cpus(ns, len(plan))
     children: list[Child] = []
