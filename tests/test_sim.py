@@ -440,6 +440,19 @@ def test_a_shifting_mix_reports_attainment_per_phase(tmp_path):
     assert [p["mix"] for p in phases] == ["code-like", "chat-like", "code-like", "chat-like"]
 
 
+def test_every_phase_of_the_workload_is_listed_even_without_arrivals():
+    from types import SimpleNamespace
+
+    from tidal.sim.report import by_phase
+
+    reqs = [SimpleNamespace(arrival=t, outcome="finished") for t in (1.0, 2.0, 65.0)]  # none in [30, 60) nor past 90
+    c = SimpleNamespace(requests=reqs, meets_slo=lambda r: r.arrival < 60)
+    phases = by_phase(c, 30.0, ("code", "chat"), span_s=120.0)
+    assert [(p["phase"], p["mix"], p["requests"], p["slo_attainment"]) for p in phases] == [
+        (0, "code", 2, 1.0), (1, "chat", 0, None), (2, "code", 1, 0.0), (3, "chat", 0, None)]
+    assert all(set(p) == {"phase", "mix", "start_s", "requests", "slo_attainment"} for p in phases)
+
+
 def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
     d = sim_json(tmp_path, "goodput", "goodput", "--instances", "3", "--workload", "azure-conv",
                  "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200",

@@ -240,7 +240,12 @@ def run_config(ns: argparse.Namespace) -> dict:
     return {"instances": ns.instances, "null": k, "prefill": p, "decode": d, "planner": ns.planner,
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
             "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
-            "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True}
+            "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True,
+            "planner_flags": planner_flags(ns)}
+
+
+def planner_flags(ns: argparse.Namespace) -> dict:
+    return {k: v for k, v in sorted(vars(ns).items()) if k.startswith("planner_")}
 
 
 def write_json(obj: Any, path: Optional[str]) -> None:
@@ -277,5 +282,5 @@ def run_sim(ns: argparse.Namespace) -> int:
     write_json(report(c, run_config(ns), virtual_span(spec), phases, mixes), ns.output)
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
-                         f"{ns.instances} instances, planner {ns.planner}", phases, mixes)
+                         f"{ns.instances} instances, planner {ns.planner}", phases, mixes, virtual_span(spec))
     return 0

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import layout, phase_layouts, simulate, static_layouts, workload_spec
+from tidal.sim.cli import layout, phase_layouts, planner_flags, simulate, static_layouts, workload_spec
 from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
@@ -139,5 +139,5 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
             "length_scale": ns.length_scale,
             "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
-            "planner_flags": {k: v for k, v in sorted(vars(ns).items()) if k.startswith("planner_")},
+            "planner_flags": planner_flags(ns),
             "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}

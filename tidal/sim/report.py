@@ -56,19 +56,31 @@ def moves(c: Cluster) -> list[dict]:
     return out
 
 
-def by_phase(c: Cluster, phase_s: float, mixes: tuple[str, str]) -> list[dict]:
+def phase_count(span_s: float, phase_s: float) -> int:
+    """The phases a workload of `span_s` virtual seconds starts (the last one may be cut short)."""
+    return max(1, math.ceil(span_s / phase_s - 1e-9))
+
+
+def by_phase(c: Cluster, phase_s: float, mixes: tuple[str, str], span_s: float = 0.0) -> list[dict]:
     """SLO attainment of the requests by the phase of a shifting mix they arrived in (phase k from k x phase_s;
-    `mixes`: the names of the even and the odd phases' mix)."""
+    `mixes`: the names of the even and the odd phases' mix), every phase of the workload's `span_s` listed, one
+    that no request arrived in with attainment None."""
     out: list[dict] = []
-    for r in c.requests:
-        k = int(r.arrival // phase_s)
+
+    def upto(k: int) -> None:
         while len(out) <= k:
             out.append({"phase": len(out), "mix": mixes[len(out) % 2], "start_s": round(len(out) * phase_s, 6),
                         "requests": 0, "met": 0})
+
+    upto(phase_count(span_s, phase_s) - 1 if span_s > 0 else 0)
+    for r in c.requests:
+        k = int(r.arrival // phase_s)
+        upto(k)
         out[k]["requests"] += 1
         out[k]["met"] += r.outcome == "finished" and c.meets_slo(r)
     for p in out:
-        p["slo_attainment"] = round(p.pop("met") / p["requests"], 6) if p["requests"] else None
+        met = p.pop("met")
+        p["slo_attainment"] = round(met / p["requests"], 6) if p["requests"] else None
     return out
 
 
@@ -78,12 +90,12 @@ def report(c: Cluster, config: dict, duration_s: float, phase_s: Optional[float]
     out = {"config": config, "summary": summary(c, duration_s), "pools": c.pools, "moves": moves(c),
            "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
     if phase_s:
-        out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s, mixes)
+        out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s, mixes, duration_s)
     return out
 
 
 def plot(c: Cluster, path: str, title: str = "", phase_s: Optional[float] = None,
-         mixes: tuple[str, str] = ("", "")) -> str:
+         mixes: tuple[str, str] = ("", ""), span_s: float = 0.0) -> str:
     """Pool sizes over time; each request's TTFT and TPOT against its SLO, by arrival time; a shifting
     mix's odd phases shaded."""
     import matplotlib
@@ -109,16 +121,17 @@ def plot(c: Cluster, path: str, title: str = "", phase_s: Optional[float] = None
         ax.set_ylabel(label)
         ax.legend(loc="upper right")
     if phase_s:
-        _shade_phases(axes, c, phase_s, mixes)
+        _shade_phases(axes, c, phase_s, mixes, span_s)
     axes[2].set_xlabel("virtual time (s); latencies at each request's arrival")
     return save_figure(fig, path, title)
 
 
-def _shade_phases(axes: Any, c: Cluster, phase_s: float, mixes: tuple[str, str]) -> None:
-    end = max([c.now] + [r.arrival for r in c.requests])
-    for k in range(1, int(end // phase_s) + 1, 2):
+def _shade_phases(axes: Any, c: Cluster, phase_s: float, mixes: tuple[str, str], span_s: float = 0.0) -> None:
+    """The odd phases of the workload's `span_s` (else of the arrivals), none past it."""
+    end = span_s or max([0.0] + [r.arrival for r in c.requests])
+    for k in range(1, phase_count(end, phase_s), 2):
         for i, ax in enumerate(axes):
-            ax.axvspan(k * phase_s, (k + 1) * phase_s, color="tab:purple", alpha=0.08,
+            ax.axvspan(k * phase_s, min((k + 1) * phase_s, end), color="tab:purple", alpha=0.08,
                        label=f"{mixes[1]} phases" if i == 0 and k == 1 and mixes[1] else None)
     axes[0].legend(loc="upper right")
 
