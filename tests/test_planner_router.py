@@ -66,6 +66,8 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
     assert len(moves) == 1 and moves[0]["outcome"] == "ok" and moves[0]["dst"] == "prefill"
     assert moves[0]["current"]["paths"]["pd"]["ttft_s"] > 3.0
     assert status["decisions"][0]["kind"] == "hold" and status["traffic"]["arrival_rate"] > 0
+    assert abs(moves[0]["at_unix"] - time.time()) < 60  # the wall clock's, to match the log lines
+    assert moves[0]["why"] == "" and status["decisions"][0]["why"]
     assert status["current"]["pools"] == {"null": 0, "prefill": 2, "decode": 1}
     assert 'tidal_router:planner_moves_total{from="decode",outcome="ok",to="prefill"} 1.0' in metrics
     assert 'tidal_router:planner_predicted_ttft_seconds{pool="prefill"}' in metrics

@@ -53,10 +53,12 @@ def load_cost_model(path: Optional[str]) -> Any:
     return cost
 
 
-def _summary(d: Decision) -> dict:
-    """A decision without its candidate list (kept for the status's history)."""
+def _summary(d: Decision, wall_offset: float = 0.0) -> dict:
+    """A decision without its candidate list (kept for the status's history); `at_unix`: its time on the wall
+    clock (the planner's own, `at`, is monotonic), to match the router's log lines."""
     out = msgspec.to_builtins(d)
     out.pop("candidates", None)
+    out["at_unix"] = round(d.at + wall_offset, 3)
     return out
 
 
@@ -174,7 +176,7 @@ class PlannerLoop:
             "traffic": msgspec.to_builtins(self.window.traffic(now)),
             "current": msgspec.to_builtins(d.current) if d is not None else None,
             "candidates": msgspec.to_builtins(d.candidates) if d is not None else [],
-            "decisions": [_summary(x) for x in reversed(self.decisions)],
+            "decisions": [_summary(x, time.time() - now) for x in reversed(self.decisions)],
             "cooldown": self.state.to_dict(now, self.cfg),
         }
 
