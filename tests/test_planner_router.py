@@ -130,6 +130,18 @@ def test_a_batched_request_counts_each_item_toward_the_window(workers):
     assert traffic.ttft_s == {"pd": pytest.approx(0.01)} and traffic.tpot_s == {"pd": pytest.approx(0.01)}
 
 
+def test_a_request_the_server_refuses_is_no_arrival(workers):
+    workers["d1"].reject = workers["d2"].reject = True  # 400, the client's mistake
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
+        body = {"text": ["a", "b"], "sampling_params": {"max_new_tokens": 3}}
+        assert httpx.post(r.url + "/generate", json=body, timeout=10).status_code == 400
+        window = r.state.planner.window
+        assert len(window.arrivals) == 0 and len(window.arrival_history) == 0 and len(window.completions) == 0
+        workers["d1"].reject = workers["d2"].reject = False
+        assert httpx.post(r.url + "/generate", json=body, timeout=10).status_code == 200
+        assert len(window.arrivals) == 2
+
+
 def test_static_planner_serves_status_and_never_moves(workers, tmp_path):
     workers["p1"].load = dict(STARVED)
     with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:

@@ -190,6 +190,16 @@ class TrafficWindow:
         self.open.add(ticket)
         return ticket
 
+    def withdraw(self, arrived_at: float, requests: int = 1) -> None:
+        """Uncounts `requests` arrivals of `arrived_at` (a request the server refused as the client's mistake
+        put no load on the cluster)."""
+        for seq in (self.arrivals, self.arrival_history):
+            for _ in range(requests):
+                try:
+                    seq.remove(arrived_at)
+                except ValueError:
+                    break
+
     def forget(self, ticket: Optional[InFlight]) -> None:
         if ticket is not None:
             self.open.discard(ticket)

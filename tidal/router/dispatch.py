@@ -182,7 +182,7 @@ class Dispatcher:
                  session: aiohttp.ClientSession, metrics: RouterMetrics, observer: Any = None) -> None:
         self.cfg = cfg
         # the planner's TrafficWindow: arrival(now, requests) -> ticket, completion(now, Observation, ticket, requests),
-        # forget(ticket)
+        # forget(ticket), withdraw(arrived_at, requests)
         self.observer = observer
         self.registry = registry
         self.policies = policies  # per pool: PREFILL, DECODE, NULL
@@ -240,11 +240,18 @@ class Dispatcher:
                 break
             self.metrics.retries.labels(out.leg.worker.url, out.leg.role).inc()
             logger.info("retrying %s after %s", route, out.leg.describe())
+        resp = last.response() if last is not None else self._unavailable()
         if self.observer is not None:
             self.observer.forget(ticket)
-        resp = last.response() if last is not None else self._unavailable()
+            self._withdraw_refused(started_at, count, resp.status_code)
         self.metrics.requests.labels(route, str(resp.status_code)).inc()
         return resp
+
+    def _withdraw_refused(self, started_at: float, count: int, status: int) -> None:
+        """A request refused as the client's mistake (4xx but a timeout or a rate limit) loaded no worker: the
+        planner's window does not count it as an arrival."""
+        if 400 <= status < 500 and status not in (408, 429):
+            self.observer.withdraw(started_at, count)
 
     def _observe(self, path: str, started_at: float, out: Response, ticket: Optional[InFlight],
                  count: int = 1) -> None:
@@ -254,6 +261,7 @@ class Dispatcher:
             return
         if not 200 <= out.status_code < 300:
             self.observer.forget(ticket)
+            self._withdraw_refused(started_at, count, out.status_code)
             return
         if isinstance(out, RelayResponse):
             tally = out.tally = StreamTally(time.monotonic(), ticket)
