@@ -1,15 +1,17 @@
 """What the router observes about its requests, over a sliding window (clock injected).
 
 Every request counts as an arrival when the dispatcher takes it (a body that makes several, a
-batched /generate or `n` samples, as that many). A request that succeeds adds its prompt and
-completion token counts (from `meta_info` or `usage` in its last JSON answer; a batch's
-shared out over its requests) and, when it was streamed, its TTFT (first body bytes) and TPOT ((end -
-first) / (completion tokens - 1)). A non-streamed answer arrives whole: its TTFT and TPOT are
-the server's own (`meta_info.first_token_latency` and `e2e_latency`, /generate only), else
-it gives lengths only. A stream without token counts (OpenAI's without `usage`) gives its
-answer's length as its events and no prompt length (0: left out of the prompt statistics). While a request is open, its `InFlight` ticket holds the answer
-tokens streamed so far: a lower bound of its length, which keeps the mean answer over the
-router's first window from counting only the quickest requests.
+batched /generate or `n` samples, as that many; one the server refuses as the client's mistake
+is withdrawn). A request that succeeds adds its prompt and completion token counts (from
+`meta_info` or `usage` in its last JSON answer; a batch's shared out over its requests) and,
+when it was streamed, its TTFT (first body bytes) and TPOT ((end - first) / (completion tokens
+- 1)). A non-streamed answer arrives whole: its TTFT and TPOT are the server's own
+(`meta_info.first_token_latency` and `e2e_latency`, /generate only), else it gives lengths
+only. A stream without token counts (OpenAI's without `usage`) gives its answer's length as
+its events and no prompt length (0: left out of the prompt statistics). While a request is
+open, its `InFlight` ticket holds the answer tokens streamed so far: a lower bound of its
+length, which keeps the mean answer over the router's first window from counting only the
+quickest requests.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import layout, phase_layouts, planner_flags, simulate, static_layouts, workload_spec
+from tidal.sim.cli import fail, layout, phase_layouts, planner_flags, simulate, static_layouts, workload_spec
 from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
@@ -127,7 +127,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     if "phases" in which:
         first = phase_layouts(ns)[0] if ns.phase_layouts else None
         if first is None:
-            raise SystemExit("--layouts phases needs --phase-layouts")
+            fail("--layouts phases needs --phase-layouts")
         results.append(goodput_of(ns, Layout(f"phase layouts {ns.phase_layouts}", first["null"], first["prefill"],
                                              first["decode"], "phases"), cost, planner_cost,
                                   (best or {}).get("rate_scale") or last[0]))
