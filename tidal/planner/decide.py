@@ -440,7 +440,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     legal = [c for c in cands if c.legal and c.prediction is not None]
     best = toward(target, heading, legal)
     if len(state.in_flight) >= cfg.max_concurrent_moves:
-        return _hold(now, "moves_in_flight", f"{len(state.in_flight)} move(s) in flight; {why}", current, cands, best, target)
+        return _hold(now, "moves_in_flight", f"{len(state.in_flight)} move(s) in flight; {why}", current, cands, best,
+                     target)
     if best is None:
         blocked = sorted({c.reason for c in cands if not c.legal and heading[c.src] > target.pools[c.src]
                           and heading[c.dst] < target.pools[c.dst]})

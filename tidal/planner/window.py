@@ -80,11 +80,16 @@ def token_counts(answer: Any) -> tuple[int, int]:
     return prompt, completion
 
 
-def body_token_counts(body: bytes) -> tuple[int, int]:
+def decode_answer(body: bytes) -> Any:
+    """A JSON answer or event, None when it is not JSON."""
     try:
-        return token_counts(msgspec.json.decode(body))
+        return msgspec.json.decode(body)
     except msgspec.DecodeError:
-        return 0, 0
+        return None
+
+
+def body_token_counts(body: bytes) -> tuple[int, int]:
+    return token_counts(decode_answer(body))
 
 
 def server_latencies(answer: Any) -> tuple[Optional[float], Optional[float]]:
@@ -127,10 +132,7 @@ class StreamTally:
             event = event.strip()
             if not event.startswith(b"{"):
                 continue
-            try:
-                answer = msgspec.json.decode(event)
-            except msgspec.DecodeError:
-                continue
+            answer = decode_answer(event)
             prompt, completion = token_counts(answer)
             if completion:
                 if isinstance(answer, dict) and isinstance(answer.get("meta_info"), dict):
@@ -142,14 +144,11 @@ class StreamTally:
 def whole_observation(path: str, started_at: float, body: bytes, requests: int = 1) -> Observation:
     """A non-streamed answer's observation, per request of the `requests` it carries: its share of the token
     counts, and the server's own TTFT and TPOT (`server_latencies`) when it reports them."""
-    try:
-        answer = msgspec.json.decode(body)
-    except msgspec.DecodeError:
-        answer = None
+    answer = decode_answer(body)
     prompt, completion = token_counts(answer)
     ttft, tpot = server_latencies(answer)
-    return Observation(path=path, prompt_tokens=round(prompt / requests), completion_tokens=round(completion / requests),
-                       arrived_at=started_at, ttft_s=ttft, tpot_s=tpot)
+    return Observation(path=path, prompt_tokens=round(prompt / requests),
+                       completion_tokens=round(completion / requests), arrived_at=started_at, ttft_s=ttft, tpot_s=tpot)
 
 
 def stream_observation(path: str, started_at: float, tally: StreamTally, ended_at: float,
@@ -195,12 +194,16 @@ class TrafficWindow:
     def withdraw(self, arrived_at: float, requests: int = 1) -> None:
         """Uncounts `requests` arrivals of `arrived_at` (a request the server refused as the client's mistake
         put no load on the cluster)."""
-        for seq in (self.arrivals, self.arrival_history):
-            for _ in range(requests):
-                try:
-                    seq.remove(arrived_at)
-                except ValueError:
-                    break
+        for seq in (self.arrivals, self.arrival_history):  # one pass each: a refused batch may be large
+            left, kept = requests, []
+            for t in seq:
+                if left and t == arrived_at:
+                    left -= 1
+                else:
+                    kept.append(t)
+            if left < requests:
+                seq.clear()
+                seq.extend(kept)
 
     def forget(self, ticket: Optional[InFlight]) -> None:
         if ticket is not None:

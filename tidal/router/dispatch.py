@@ -19,6 +19,7 @@ import aiohttp
 import msgspec
 from starlette.responses import Response
 
+from tidal.config import ServerArgs
 from tidal.planner.schema import NULL_PATH, PD_PATH
 from tidal.planner.window import InFlight, StreamTally, stream_observation, whole_observation
 from tidal.router.config import RouterConfig
@@ -32,8 +33,7 @@ logger = logging.getLogger(__name__)
 LOGPROB_KEYS = ("input_token_logprobs", "input_top_logprobs", "input_token_ids_logprobs")
 MAX_AFFINITY_CHARS = 16384
 # the most generation requests the planner's window counts for one body: what the servers' default limits allow
-# (--max-n 64 x --max-batch-size-per-request 256)
-MAX_COUNTED_REQUESTS = 64 * 256
+MAX_COUNTED_REQUESTS = ServerArgs.max_n * ServerArgs.max_batch_size_per_request
 _ROOM_RNG = random.SystemRandom()
 
 
