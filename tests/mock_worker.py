@@ -82,6 +82,8 @@ class MockWorker:
         self.epoch = 0
         self.switches = 0  # role switch requests, failed ones included
         self.fail_switch = False
+        # whole OpenAI answers shaped as a tidal server's: `usage` only, the timings in Server-Timing
+        self.openai_answers = False
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -111,6 +113,7 @@ class MockWorker:
         self.requests.clear()
         self.fail_next, self.reject, self.hang_s, self.healthy = 0, False, 0.0, True
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
+        self.openai_answers = False
 
     def generate_requests(self) -> list[dict]:
         return [b for _, b in self.requests]
@@ -194,6 +197,11 @@ class MockWorker:
             return self._error(body, f"{self.name}: KV transfer failed", 500)
         if body.get("stream") and self.role != "prefill":
             return StreamingResponse(self._stream(path, body), media_type="text/event-stream")
+        if self.openai_answers and path != "/generate" and self.role != "prefill":
+            return JSONResponse({"id": f"{self.name}-{len(self.requests)}", "object": "text_completion",
+                                 "choices": [{"index": 0, "text": f"{self.name} says hi", "finish_reason": "length"}],
+                                 "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}},
+                                headers={"server-timing": "ttft;dur=20, tpot;dur=5"})
         n = _batch(body) if path == "/generate" else None
         if n is None:
             return JSONResponse(self._one(body, None))

@@ -404,6 +404,24 @@ def test_a_whole_answer_gives_the_servers_own_ttft_and_tpot():
     assert t.ttft_s == {"null": 0.5} and t.tpot_s == {"null": 0.5}
 
 
+def test_an_openai_whole_answer_gives_the_servers_ttft_and_tpot_by_its_server_timing_header():
+    from tidal.planner.window import whole_observation
+    from tidal.server_timing import format_server_timing, mean_latencies, parse_server_timing
+
+    usage = b'{"choices":[],"usage":{"prompt_tokens":10,"completion_tokens":8}}'
+    header = format_server_timing(*mean_latencies([(0.4, 1.1, 8), (0.6, 1.3, 1)]))  # n=2: one answer of 1 token
+    assert header == "ttft;dur=500.000, tpot;dur=100.000"
+    obs = whole_observation("pd", 1.0, usage, requests=2, server_timing=header)
+    assert (obs.prompt_tokens, obs.completion_tokens) == (5, 4)
+    assert obs.ttft_s == pytest.approx(0.5) and obs.tpot_s == pytest.approx(0.1)
+    meta = b'{"meta_info":{"prompt_tokens":7,"completion_tokens":5,"first_token_latency":0.5,"e2e_latency":2.5}}'
+    assert whole_observation("pd", 1.0, meta, server_timing="ttft;dur=9000").ttft_s == 0.5  # the body says it
+    assert parse_server_timing('cache;desc="hit", TTFT;dur=12.5;desc=x, tpot;dur="3"') == (0.0125, 0.003)
+    for unusable in (None, "", "ttft", "ttft;dur=abc, tpot;dur=-1", "ttft;dur=nan, tpot;dur=inf", ";;,,"):
+        assert parse_server_timing(unusable) == (None, None)
+    assert format_server_timing(None, None) is None and mean_latencies([(None, 1.0, 4)]) == (None, None)
+
+
 def test_a_stream_that_reports_no_prompt_length_leaves_the_prompt_statistics_alone():
     w = TrafficWindow(window_s=10.0, started_at=0.0)
     for k in range(4):

@@ -130,6 +130,18 @@ def test_a_batched_request_counts_each_item_toward_the_window(workers):
     assert traffic.ttft_s == {"pd": pytest.approx(0.01)} and traffic.tpot_s == {"pd": pytest.approx(0.01)}
 
 
+def test_a_whole_openai_answer_gives_the_window_the_servers_server_timing_and_the_client_too(workers):
+    for w in (workers["d1"], workers["d2"]):
+        w.openai_answers = True
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
+        resp = httpx.post(r.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=10)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
+        assert resp.headers["server-timing"] == "ttft;dur=20, tpot;dur=5"
+        traffic = r.state.planner.window.traffic(time.monotonic())
+    assert traffic.completed == 1 and traffic.mean_input_tokens == 4 and traffic.mean_output_tokens == 3
+    assert traffic.ttft_s == {"pd": pytest.approx(0.02)} and traffic.tpot_s == {"pd": pytest.approx(0.005)}
+
+
 def test_a_request_the_server_refuses_is_no_arrival(workers):
     workers["d1"].reject = workers["d2"].reject = True  # 400, the client's mistake
     with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:

@@ -278,6 +278,20 @@ def test_completions(url):
     assert ids.choices[0].logprobs.token_logprobs[0] is None
 
 
+def test_a_whole_openai_answer_says_its_ttft_and_tpot_in_server_timing(url):
+    from tidal.server_timing import parse_server_timing
+
+    chat = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                            "max_tokens": 4}, timeout=60)
+    ttft, tpot = parse_server_timing(chat.headers.get("server-timing"))
+    assert chat.status_code == 200 and ttft is not None and 0 < ttft and tpot is not None and tpot >= 0
+    one = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 1}, timeout=60)
+    assert parse_server_timing(one.headers.get("server-timing"))[1] is None  # one token: no TPOT
+    streamed = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2, "stream": True},
+                          timeout=60)
+    assert "server-timing" not in streamed.headers  # a stream shows its own timing
+
+
 def test_completions_stream(url):
     client = openai.OpenAI(base_url=url + "/v1", api_key="x")
     chunks = list(client.completions.create(model="default", prompt="Hello world", max_tokens=5, stream=True,

@@ -6,9 +6,10 @@ is withdrawn). A request that succeeds adds its prompt and completion token coun
 `meta_info` or `usage` in its last JSON answer; a batch's shared out over its requests) and,
 when it was streamed, its TTFT (first body bytes) and TPOT ((end - first) / (completion tokens
 - 1)). A non-streamed answer arrives whole: its TTFT and TPOT are the server's own
-(`meta_info.first_token_latency` and `e2e_latency`, /generate only), else it gives lengths
-only. A stream without token counts (OpenAI's without `usage`) gives its answer's length as
-its events and no prompt length (0: left out of the prompt statistics). While a request is
+(`meta_info.first_token_latency` and `e2e_latency` of /generate, an OpenAI answer's
+Server-Timing header), else it gives lengths only. A stream without token counts (OpenAI's
+without `usage`) gives its answer's length as its events and no prompt length (0: left out of
+the prompt statistics). While a request is
 open, its `InFlight` ticket holds the answer tokens streamed so far: a lower bound of its
 length, which keeps the mean answer over the router's first window from counting only the
 quickest requests.
@@ -25,6 +26,7 @@ from typing import Any, Optional, Sequence
 import msgspec
 
 from tidal.planner.schema import Traffic
+from tidal.server_timing import mean_latencies, parse_server_timing
 
 MAX_TAIL_BYTES = 1 << 16  # of a stream: enough for its last event
 MIN_GAPS = 8  # arrivals' burstiness is measured from at least this many gaps
@@ -96,17 +98,18 @@ def server_latencies(answer: Any) -> tuple[Optional[float], Optional[float]]:
     """(TTFT, TPOT) of a whole /generate answer by the server's own clock: `meta_info.first_token_latency`
     and (e2e_latency - it) / (completion_tokens - 1), the mean over a batch's items; None where it does not
     say (an OpenAI answer, or a server without the field)."""
-    ttfts, tpots = [], []
+    items = []
     for item in answer if isinstance(answer, list) else [answer]:
         meta = item.get("meta_info") if isinstance(item, dict) else None
         first = meta.get("first_token_latency") if isinstance(meta, dict) else None
         if not isinstance(first, (int, float)):
             continue
-        ttfts.append(float(first))
         e2e, tokens = meta.get("e2e_latency"), meta.get("completion_tokens")
-        if isinstance(e2e, (int, float)) and isinstance(tokens, int) and tokens > 1:
-            tpots.append((e2e - first) / (tokens - 1))
-    return (_mean(ttfts) if ttfts else None), (_mean(tpots) if tpots else None)
+        if isinstance(e2e, (int, float)) and isinstance(tokens, int):
+            items.append((float(first), float(e2e), tokens))
+        else:
+            items.append((float(first), 0.0, 0))  # no TPOT from it
+    return mean_latencies(items)
 
 
 class StreamTally:
@@ -141,12 +144,16 @@ class StreamTally:
         return 0, round(max(self.events, 0) / requests)
 
 
-def whole_observation(path: str, started_at: float, body: bytes, requests: int = 1) -> Observation:
+def whole_observation(path: str, started_at: float, body: bytes, requests: int = 1,
+                      server_timing: Optional[str] = None) -> Observation:
     """A non-streamed answer's observation, per request of the `requests` it carries: its share of the token
-    counts, and the server's own TTFT and TPOT (`server_latencies`) when it reports them."""
+    counts, and the server's own TTFT and TPOT when it reports them: a /generate answer's `meta_info`
+    (`server_latencies`), else the answer's Server-Timing header (an OpenAI answer's)."""
     answer = decode_answer(body)
     prompt, completion = token_counts(answer)
     ttft, tpot = server_latencies(answer)
+    if ttft is None:
+        ttft, tpot = parse_server_timing(server_timing)
     return Observation(path=path, prompt_tokens=round(prompt / requests),
                        completion_tokens=round(completion / requests), arrived_at=started_at, ttft_s=ttft, tpot_s=tpot)
 

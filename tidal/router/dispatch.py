@@ -27,6 +27,7 @@ from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
 from tidal.router.policies import Policy, plan_route
 from tidal.router.workers import DECODE, PREFILL, Worker, WorkerRegistry
+from tidal.server_timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger(__name__)
 
@@ -276,8 +277,8 @@ class Dispatcher:
 
             out.on_end = ended
             return
-        self.observer.completion(time.monotonic(), whole_observation(path, started_at, out.body, count), ticket,
-                                 count)
+        seen = whole_observation(path, started_at, out.body, count, out.headers.get(SERVER_TIMING))
+        self.observer.completion(time.monotonic(), seen, ticket, count)
 
     # ------------------------------------------------------------ one attempt
 
@@ -342,7 +343,7 @@ class Dispatcher:
                 out = msgspec.json.decode(d_leg.body)
                 if merge_logprobs(out, msgspec.json.decode(p_leg.body)):
                     return Response(msgspec.json.encode(out), status_code=d_leg.status,
-                                    media_type="application/json")
+                                    media_type="application/json", headers=d_leg.relayed_headers())
             except msgspec.DecodeError:
                 logger.warning("could not merge logprobs: a worker's answer is not JSON")
         return d_leg.passthrough()

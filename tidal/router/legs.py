@@ -12,6 +12,7 @@ from starlette.responses import Response
 
 from tidal.router.metrics import RouterMetrics
 from tidal.router.workers import Worker, WorkerRegistry
+from tidal.server_timing import HEADER as SERVER_TIMING
 from tidal.server.protocol import error_body
 
 logger = logging.getLogger(__name__)
@@ -74,9 +75,15 @@ class Leg:
             return self.status
         return 504 if self.timed_out else 502
 
+    def relayed_headers(self) -> Optional[dict]:
+        """The worker's headers a whole answer passes on: its Server-Timing (the server's TTFT and TPOT)."""
+        timing = self.headers.get(SERVER_TIMING)
+        return {SERVER_TIMING: timing} if timing else None
+
     def passthrough(self) -> Response:
         return Response(self.body, status_code=self.status or 502,
-                        media_type=self.headers.get("content-type", "application/json"))
+                        media_type=self.headers.get("content-type", "application/json"),
+                        headers=self.relayed_headers())
 
     # ------------------------------------------------------------ the call
 

@@ -160,18 +160,25 @@ class ReqState:
     def num_completion_tokens(self) -> int:
         return self.completion_tokens or len(self.output_ids)
 
-    def meta_info(self) -> dict:
+    def timing(self) -> tuple[Optional[float], float, int]:
+        """(arrival to the first output token, None before it; arrival to the end, or to now; completion
+        tokens): the TTFT and TPOT a non-streamed reply hides, by this server's clock."""
         end = self.finished_at or time.monotonic()
+        first = None if self.first_token_at is None else self.first_token_at - self.created
+        return first, end - self.created, self.num_completion_tokens()
+
+    def meta_info(self) -> dict:
+        first, e2e, completion = self.timing()
         meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
             "prompt_tokens": self.num_prompt_tokens(),
-            "completion_tokens": self.num_completion_tokens(),
+            "completion_tokens": completion,
             "cached_tokens": self.cached_tokens,
-            "e2e_latency": round(end - self.created, 6),
+            "e2e_latency": round(e2e, 6),
         }
-        if self.first_token_at is not None:  # arrival to the first output token: the TTFT a non-streamed reply hides
-            meta["first_token_latency"] = round(self.first_token_at - self.created, 6)
+        if first is not None:
+            meta["first_token_latency"] = round(first, 6)
         if self.req.return_logprob:
             meta["input_token_logprobs"] = self.input_token_logprobs
             meta["output_token_logprobs"] = self.output_token_logprobs
