@@ -1,9 +1,11 @@
 """A live phase-shift run (issue 10, item 5): `tidal cluster --prefill 1 --decode 1 --worker 1
 --planner sla` on this machine, driven by `tidal bench` through phases that alternate
 prefill-heavy traffic (long prompts, short answers) and decode-heavy traffic (short prompts,
-long answers), while GET /planner/status is polled to record the pools over time.
+long answers), while GET /planner/status is polled to record the pools over time. Each phase's
+rate is, unless given, what the planner's cost model says loads the 3 servers (`auto_rate`): pass
+a profile of this host.
 
-    PYTHONPATH=$PWD python3 scripts/live_shift.py --output live_shift.json
+    PYTHONPATH=$PWD python3 scripts/live_shift.py --planner-profile PROFILE.json --output live_shift.json
 
 Writes a JSON (phases with their bench summary, pools over time, every move decision with
 its reason and outcome) and prints a table of pools over time and one of the phases.
@@ -21,12 +23,20 @@ import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 import httpx
+
+from tidal.planner.decide import make_predictor, rated
+from tidal.planner.flags import add_planner_args
+from tidal.planner.loop import load_cost_model
+from tidal.planner.predict import PoolLoad
+from tidal.planner.schema import PlannerConfig, Traffic
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROFILE = os.path.join(REPO, "tidal", "profile", "data", "smollm2_cpu_2core.json")
 MODES = ("prefill", "decode", "null")
+AUTO_HEADROOM = 2.0
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -34,20 +44,69 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--phases", default="prefill,decode,prefill",
                    help="the phases in order, each prefill or decode (default: prefill,decode,prefill)")
     p.add_argument("--phase-s", type=float, default=90.0, help="seconds of arrivals per phase (default: 90)")
-    p.add_argument("--prefill-heavy", nargs=3, type=float, default=(768, 4, 0.5), metavar=("IN", "OUT", "RATE"),
-                   help="prefill phase: prompt tokens, output tokens, requests/s (default: 768 4 0.5)")
-    p.add_argument("--decode-heavy", nargs=3, type=float, default=(32, 256, 0.5), metavar=("IN", "OUT", "RATE"),
-                   help="decode phase: prompt tokens, output tokens, requests/s (default: 32 256 0.5)")
+    p.add_argument("--prefill-heavy", nargs=3, default=("768", "4", "auto"), metavar=("IN", "OUT", "RATE"),
+                   help="prefill phase: prompt tokens, output tokens, requests/s or auto (default: 768 4 auto)")
+    p.add_argument("--decode-heavy", nargs=3, default=("32", "256", "auto"), metavar=("IN", "OUT", "RATE"),
+                   help="decode phase: prompt tokens, output tokens, requests/s or auto (default: 32 256 auto)")
+    p.add_argument("--rate-headroom", type=float, default=AUTO_HEADROOM,
+                   help="an auto RATE is the rate at which the phase's best layout of the 3 servers (one prefill "
+                        "and one decode worker at least) keeps this multiple of it in predicted capacity, by "
+                        f"--planner-profile and the SLOs of --cluster-args (default: {AUTO_HEADROOM:g})")
     p.add_argument("--planner-profile", default=PROFILE,
-                   help="the planner's cost model (default: the shipped tidal/profile/data/smollm2_cpu_2core.json)")
+                   help="the planner's cost model, which also sets auto rates: measure this host's (docs/"
+                        "elasticity.md, Calibration) (default: the shipped tidal/profile/data/smollm2_cpu_2core.json)")
     p.add_argument("--poll-s", type=float, default=2.0, help="seconds between /planner/status polls (default: 2)")
     p.add_argument("--port", type=int, default=18600, help="router port; servers on the next three (default: 18600)")
     p.add_argument("--cluster-args", default="--ttft-slo-ms 3000 --tpot-slo-ms 150 --planner-interval-s 2 "
-                   "--planner-cooldown-s 10 --planner-window-s 20",
-                   help="extra `tidal cluster` flags (default: SLOs 3000/150 ms, interval 2 s, cooldown 10 s, "
-                        "window 20 s)")
+                   "--planner-cooldown-s 20 --planner-window-s 20",
+                   help="extra `tidal cluster` flags (default: SLOs 3000/150 ms, interval 2 s, cooldown 20 s, "
+                        "window 20 s: a few-minute run's; the cooldown as long as the window, which holds the "
+                        "traffic from before a move for that long)")
     p.add_argument("--output", default="live_shift.json", help="the JSON written (default: live_shift.json)")
-    return p.parse_args(argv)
+    ns = p.parse_args(argv)
+    for flag in ("prefill_heavy", "decode_heavy"):
+        inp, out, rate = getattr(ns, flag)
+        try:
+            setattr(ns, flag, (int(inp), int(out), rate if rate == "auto" else float(rate)))
+        except ValueError:
+            p.error(f"--{flag.replace('_', '-')}: IN and OUT are token counts and RATE requests/s or auto")
+    return ns
+
+
+def slos(cluster_args: str) -> tuple[float, float]:
+    """The TTFT and TPOT SLOs (seconds) `tidal cluster` gets from --cluster-args, its defaults otherwise."""
+    p = argparse.ArgumentParser(add_help=False)
+    add_planner_args(p)
+    known, _ = p.parse_known_args(shlex.split(cluster_args))
+    return known.ttft_slo_ms / 1000, known.tpot_slo_ms / 1000
+
+
+def auto_rate(inp: int, out: int, cost: Any, ttft_slo_s: float, tpot_slo_s: float, headroom: float) -> float:
+    """The arrival rate at which the best 3-server layout with a prefill and a decode worker (the planner's
+    floor) is predicted to serve `headroom` times it. The bench's lengths are uniform over [0.8, 1] x the
+    given ones."""
+    cfg = PlannerConfig(mode="sla", ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+    traffic = Traffic(arrival_rate=1.0, mean_input_tokens=0.9 * inp, mean_output_tokens=0.9 * out, completed=1)
+    best = 0.0
+    for p_, d_, n_ in ((1, 1, 1), (2, 1, 0), (1, 2, 0)):
+        pools = {"prefill": p_, "decode": d_, "null": n_}
+        pred = rated(make_predictor(cfg, cost, pools), pools, PoolLoad([]), traffic)
+        best = max(best, pred.capacity if pred is not None else 0.0)
+    if best <= 0:
+        raise SystemExit(f"live_shift: no layout serves {inp}/{out} tokens by the profile; give RATE")
+    return round(best / headroom, 3)
+
+
+def resolve_rates(ns: argparse.Namespace) -> None:
+    """Replace every auto RATE by `auto_rate` under --planner-profile."""
+    if "auto" not in (ns.prefill_heavy[2], ns.decode_heavy[2]):
+        return
+    cost = load_cost_model(ns.planner_profile)
+    ttft, tpot = slos(ns.cluster_args)
+    for flag in ("prefill_heavy", "decode_heavy"):
+        inp, out, rate = getattr(ns, flag)
+        if rate == "auto":
+            setattr(ns, flag, (inp, out, auto_rate(inp, out, cost, ttft, tpot, ns.rate_headroom)))
 
 
 def cluster_cmd(ns: argparse.Namespace) -> list[str]:
@@ -151,6 +210,8 @@ def print_tables(result: dict) -> None:
 
 def main(argv=None) -> int:
     ns = parse_args(argv)
+    resolve_rates(ns)
+    print(f"phases at {ns.prefill_heavy[2]}/s (prefill-heavy) and {ns.decode_heavy[2]}/s (decode-heavy)", flush=True)
     url = f"http://127.0.0.1:{ns.port}"
     log = open(os.path.splitext(ns.output)[0] + ".cluster.log", "w")
     proc = subprocess.Popen(cluster_cmd(ns), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)

@@ -1,9 +1,11 @@
-"""scripts/live_shift.py's bookkeeping: pools over time and the planner's decisions, each once."""
+"""scripts/live_shift.py: its bookkeeping (pools over time, the planner's decisions, each once) and its auto rates."""
 
 from __future__ import annotations
 
 import importlib.util
 import os
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 spec = importlib.util.spec_from_file_location("live_shift", os.path.join(REPO, "scripts", "live_shift.py"))
@@ -35,3 +37,21 @@ def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
     assert seen[50.0, "move", "v"]["src"] == "prefill" and seen[50.0, "move", "v"]["outcome"] == "ok"
     assert seen[50.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "2 move(s) in flight"}
     assert seen[48.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}
+
+
+def test_auto_rates_come_from_the_profile_and_the_clusters_slos():
+    amx = os.path.join(REPO, "tidal", "profile", "data", "smollm2_cpu_1thread_amx.json")
+    ns = live_shift.parse_args(["--planner-profile", amx, "--decode-heavy", "32", "256", "0.75"])
+    assert ns.prefill_heavy == (768, 4, "auto") and ns.decode_heavy == (32, 256, 0.75)
+    live_shift.resolve_rates(ns)
+    rate = ns.prefill_heavy[2]
+    assert 0.1 < rate < 20 and ns.decode_heavy == (32, 256, 0.75)  # a given rate stays
+    halved = live_shift.parse_args(["--planner-profile", amx, "--rate-headroom", "4"])
+    live_shift.resolve_rates(halved)
+    assert halved.prefill_heavy[2] == pytest.approx(rate / 2, rel=0.02)
+    loose = live_shift.parse_args(["--planner-profile", amx, "--cluster-args", "--ttft-slo-ms 30000"])
+    live_shift.resolve_rates(loose)  # a looser TTFT SLO (TPOT at the cluster's default) takes more prompts
+    assert loose.prefill_heavy[2] > rate
+    assert live_shift.slos("--tpot-slo-ms 150 --planner-interval-s 2") == (2.0, 0.15)  # TTFT: the default
+    with pytest.raises(SystemExit):
+        live_shift.parse_args(["--prefill-heavy", "768", "four", "1"])
