@@ -64,6 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "traffic from before a move for that long)")
     p.add_argument("--output", default="live_shift.json", help="the JSON written (default: live_shift.json)")
     ns = p.parse_args(argv)
+    if not ns.rate_headroom > 0:
+        p.error("--rate-headroom must be > 0")
     for flag in ("prefill_heavy", "decode_heavy"):
         inp, out, rate = getattr(ns, flag)
         try:

@@ -53,5 +53,7 @@ def test_auto_rates_come_from_the_profile_and_the_clusters_slos():
     live_shift.resolve_rates(loose)  # a looser TTFT SLO (TPOT at the cluster's default) takes more prompts
     assert loose.prefill_heavy[2] > rate
     assert live_shift.slos("--tpot-slo-ms 150 --planner-interval-s 2") == (2.0, 0.15)  # TTFT: the default
-    with pytest.raises(SystemExit):
-        live_shift.parse_args(["--prefill-heavy", "768", "four", "1"])
+    for bad in (["--prefill-heavy", "768", "four", "1"], ["--decode-heavy", "32", "256", "fast"],
+                ["--rate-headroom", "0"]):
+        with pytest.raises(SystemExit):
+            live_shift.parse_args(bad)
