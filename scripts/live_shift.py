@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -26,9 +27,10 @@ import time
 from typing import Any
 
 import httpx
+import msgspec
 
-from tidal.planner.decide import make_predictor, rated
-from tidal.planner.flags import add_planner_args
+from tidal.planner.decide import best_layout, make_predictor
+from tidal.planner.flags import add_planner_args, planner_config_from_namespace
 from tidal.planner.loop import load_cost_model
 from tidal.planner.predict import PoolLoad
 from tidal.planner.schema import PlannerConfig, Traffic
@@ -66,49 +68,52 @@ def parse_args(argv=None) -> argparse.Namespace:
     ns = p.parse_args(argv)
     if not ns.rate_headroom > 0:
         p.error("--rate-headroom must be > 0")
+    if "--planner-profile" in ns.cluster_args:
+        p.error("give the cluster's profile as --planner-profile, not in --cluster-args (auto rates use it too)")
     for flag in ("prefill_heavy", "decode_heavy"):
-        inp, out, rate = getattr(ns, flag)
-        try:
-            setattr(ns, flag, (int(inp), int(out), rate if rate == "auto" else float(rate)))
-        except ValueError:
-            p.error(f"--{flag.replace('_', '-')}: IN and OUT are token counts and RATE requests/s or auto")
+        setattr(ns, flag, phase_traffic(p, flag, *getattr(ns, flag)))
     return ns
 
 
-def slos(cluster_args: str) -> tuple[float, float]:
-    """The TTFT and TPOT SLOs (seconds) `tidal cluster` gets from --cluster-args, its defaults otherwise."""
+def phase_traffic(p: argparse.ArgumentParser, flag: str, inp: str, out: str, rate: str) -> tuple:
+    try:
+        parsed = (int(inp), int(out), rate if rate == "auto" else float(rate))
+    except ValueError:
+        parsed = None
+    if parsed is None or min(parsed[:2]) < 1 or (rate != "auto" and not (math.isfinite(parsed[2]) and parsed[2] > 0)):
+        p.error(f"--{flag.replace('_', '-')}: IN and OUT are token counts, RATE requests/s (> 0) or auto")
+    return parsed
+
+
+def cluster_planner(cluster_args: str) -> PlannerConfig:
+    """The planner `tidal cluster` runs with these --cluster-args (its defaults for the flags they lack)."""
     p = argparse.ArgumentParser(add_help=False)
     add_planner_args(p)
     known, _ = p.parse_known_args(shlex.split(cluster_args))
-    return known.ttft_slo_ms / 1000, known.tpot_slo_ms / 1000
+    return msgspec.structs.replace(planner_config_from_namespace(known), mode="sla")
 
 
-def auto_rate(inp: int, out: int, cost: Any, ttft_slo_s: float, tpot_slo_s: float, headroom: float) -> float:
-    """The arrival rate at which the best 3-server layout with a prefill and a decode worker (the planner's
-    floor) is predicted to serve `headroom` times it. The bench's lengths are uniform over [0.8, 1] x the
-    given ones."""
-    cfg = PlannerConfig(mode="sla", ttft_slo_s=ttft_slo_s, tpot_slo_s=tpot_slo_s)
+def auto_rate(inp: int, out: int, cost: Any, cfg: PlannerConfig, headroom: float) -> float:
+    """The arrival rate at which the layout the planner heads for from 1:1:1 is predicted to serve `headroom`
+    times it. The bench's lengths are uniform over [0.8, 1] x the given ones."""
     traffic = Traffic(arrival_rate=1.0, mean_input_tokens=0.9 * inp, mean_output_tokens=0.9 * out, completed=1)
-    best = 0.0
-    for p_, d_, n_ in ((1, 1, 1), (2, 1, 0), (1, 2, 0)):
-        pools = {"prefill": p_, "decode": d_, "null": n_}
-        pred = rated(make_predictor(cfg, cost, pools), pools, PoolLoad([]), traffic)
-        best = max(best, pred.capacity if pred is not None else 0.0)
-    if best <= 0:
+    start = {"prefill": 1, "decode": 1, "null": 1}
+    best = best_layout(make_predictor(cfg, cost, start), start, PoolLoad([]), traffic, cfg.min_per_pool)
+    if best is None or not best.capacity:
         raise SystemExit(f"live_shift: no layout serves {inp}/{out} tokens by the profile; give RATE")
-    return round(best / headroom, 3)
+    return round(best.capacity / headroom, 3)
 
 
 def resolve_rates(ns: argparse.Namespace) -> None:
-    """Replace every auto RATE by `auto_rate` under --planner-profile."""
+    """Replace every auto RATE by `auto_rate` under --planner-profile and the cluster's planner flags."""
     if "auto" not in (ns.prefill_heavy[2], ns.decode_heavy[2]):
         return
     cost = load_cost_model(ns.planner_profile)
-    ttft, tpot = slos(ns.cluster_args)
+    cfg = cluster_planner(ns.cluster_args)
     for flag in ("prefill_heavy", "decode_heavy"):
         inp, out, rate = getattr(ns, flag)
         if rate == "auto":
-            setattr(ns, flag, (inp, out, auto_rate(inp, out, cost, ttft, tpot, ns.rate_headroom)))
+            setattr(ns, flag, (inp, out, auto_rate(inp, out, cost, cfg, ns.rate_headroom)))
 
 
 def cluster_cmd(ns: argparse.Namespace) -> list[str]:

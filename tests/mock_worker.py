@@ -82,8 +82,8 @@ class MockWorker:
         self.epoch = 0
         self.switches = 0  # role switch requests, failed ones included
         self.fail_switch = False
-        # whole OpenAI answers shaped as a tidal server's: `usage` only, the timings in Server-Timing
-        self.openai_answers = False
+        self.openai_answers = False  # whole OpenAI answers shaped as a tidal server's: `usage`, no meta_info
+        self.server_timing: Optional[str] = None  # a Server-Timing header on every whole answer
         self._server: Optional[uvicorn.Server] = None
         self._thread: Optional[threading.Thread] = None
 
@@ -113,7 +113,7 @@ class MockWorker:
         self.requests.clear()
         self.fail_next, self.reject, self.hang_s, self.healthy = 0, False, 0.0, True
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
-        self.openai_answers = False
+        self.openai_answers, self.server_timing = False, None
 
     def generate_requests(self) -> list[dict]:
         return [b for _, b in self.requests]
@@ -197,15 +197,16 @@ class MockWorker:
             return self._error(body, f"{self.name}: KV transfer failed", 500)
         if body.get("stream") and self.role != "prefill":
             return StreamingResponse(self._stream(path, body), media_type="text/event-stream")
+        headers = {"server-timing": self.server_timing} if self.server_timing else None
         if self.openai_answers and path != "/generate" and self.role != "prefill":
             return JSONResponse({"id": f"{self.name}-{len(self.requests)}", "object": "text_completion",
                                  "choices": [{"index": 0, "text": f"{self.name} says hi", "finish_reason": "length"}],
                                  "usage": {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}},
-                                headers={"server-timing": "ttft;dur=20, tpot;dur=5"})
+                                headers=headers)
         n = _batch(body) if path == "/generate" else None
         if n is None:
-            return JSONResponse(self._one(body, None))
-        return JSONResponse([self._one(body, i) for i in range(n)])
+            return JSONResponse(self._one(body, None), headers=headers)
+        return JSONResponse([self._one(body, i) for i in range(n)], headers=headers)
 
     # ------------------------------------------------------------ the app
 

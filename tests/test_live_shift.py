@@ -39,21 +39,34 @@ def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
     assert seen[48.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}
 
 
-def test_auto_rates_come_from_the_profile_and_the_clusters_slos():
+def test_auto_rates_come_from_the_profile_and_the_clusters_planner():
+    from tidal.planner.decide import make_predictor, rated
+    from tidal.planner.loop import load_cost_model
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.schema import Traffic
+
     amx = os.path.join(REPO, "tidal", "profile", "data", "smollm2_cpu_1thread_amx.json")
     ns = live_shift.parse_args(["--planner-profile", amx, "--decode-heavy", "32", "256", "0.75"])
     assert ns.prefill_heavy == (768, 4, "auto") and ns.decode_heavy == (32, 256, 0.75)
     live_shift.resolve_rates(ns)
-    rate = ns.prefill_heavy[2]
-    assert 0.1 < rate < 20 and ns.decode_heavy == (32, 256, 0.75)  # a given rate stays
-    halved = live_shift.parse_args(["--planner-profile", amx, "--rate-headroom", "4"])
-    live_shift.resolve_rates(halved)
-    assert halved.prefill_heavy[2] == pytest.approx(rate / 2, rel=0.02)
+    assert ns.decode_heavy == (32, 256, 0.75)  # a given rate stays
+    cfg = live_shift.cluster_planner(ns.cluster_args)
+    assert (cfg.mode, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.interval_s, cfg.window_s) == ("sla", 3.0, 0.15, 2.0, 20.0)
+    cost = load_cost_model(amx)
+    traffic = Traffic(arrival_rate=1.0, mean_input_tokens=0.9 * 768, mean_output_tokens=0.9 * 4, completed=1)
+    caps = {}
+    for p, d, n in ((1, 1, 1), (2, 1, 0), (1, 2, 0)):  # what the planner may head for from 1:1:1
+        pools = {"prefill": p, "decode": d, "null": n}
+        caps[p, d, n] = rated(make_predictor(cfg, cost, pools), pools, PoolLoad([]), traffic).capacity
+    # the prefill-heavy phase's premise: 2:1:0 serves it best; its rate leaves that layout 2x (the headroom)
+    assert max(caps, key=caps.get) == (2, 1, 0) and caps[2, 1, 0] > 1.3 * caps[1, 1, 1]
+    assert ns.prefill_heavy[2] == pytest.approx(caps[2, 1, 0] / 2, rel=0.01)
     loose = live_shift.parse_args(["--planner-profile", amx, "--cluster-args", "--ttft-slo-ms 30000"])
     live_shift.resolve_rates(loose)  # a looser TTFT SLO (TPOT at the cluster's default) takes more prompts
-    assert loose.prefill_heavy[2] > rate
-    assert live_shift.slos("--tpot-slo-ms 150 --planner-interval-s 2") == (2.0, 0.15)  # TTFT: the default
+    assert loose.prefill_heavy[2] > ns.prefill_heavy[2]
     for bad in (["--prefill-heavy", "768", "four", "1"], ["--decode-heavy", "32", "256", "fast"],
-                ["--rate-headroom", "0"]):
+                ["--decode-heavy", "32", "256", "-1"], ["--decode-heavy", "32", "256", "nan"],
+                ["--prefill-heavy", "0", "4", "1"], ["--rate-headroom", "0"],
+                ["--cluster-args", "--planner-profile x.json"]):
         with pytest.raises(SystemExit):
             live_shift.parse_args(bad)

@@ -132,7 +132,7 @@ def test_a_batched_request_counts_each_item_toward_the_window(workers):
 
 def test_a_whole_openai_answer_gives_the_window_the_servers_server_timing_and_the_client_too(workers):
     for w in (workers["d1"], workers["d2"]):
-        w.openai_answers = True
+        w.openai_answers, w.server_timing = True, "ttft;dur=20, tpot;dur=5"
     with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
         resp = httpx.post(r.url + "/v1/completions", json={"prompt": "a", "max_tokens": 3}, timeout=10)
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 3
@@ -140,6 +140,20 @@ def test_a_whole_openai_answer_gives_the_window_the_servers_server_timing_and_th
         traffic = r.state.planner.window.traffic(time.monotonic())
     assert traffic.completed == 1 and traffic.mean_input_tokens == 4 and traffic.mean_output_tokens == 3
     assert traffic.ttft_s == {"pd": pytest.approx(0.02)} and traffic.tpot_s == {"pd": pytest.approx(0.005)}
+
+
+def test_server_timing_survives_the_logprobs_merge_and_a_non_ascii_one_is_dropped_not_fatal(workers):
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url]) as r:
+        for w in (workers["d1"], workers["d2"]):
+            w.server_timing = "ttft;dur=7"
+        body = {"text": "a", "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+        merged = httpx.post(r.url + "/generate", json=body, timeout=10)
+        assert merged.status_code == 200 and merged.headers["server-timing"] == "ttft;dur=7"
+        assert merged.json()["meta_info"]["input_token_logprobs"][0][1] == 11  # the prefill leg's, merged in
+        for w in (workers["d1"], workers["d2"]):
+            w.server_timing = "ttft;dur=7;desc=caf\u00e9"
+        odd = httpx.post(r.url + "/generate", json={"text": "a", "sampling_params": {"max_new_tokens": 3}}, timeout=10)
+        assert odd.status_code == 200 and "server-timing" not in odd.headers
 
 
 def test_a_request_the_server_refuses_is_no_arrival(workers):

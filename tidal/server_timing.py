@@ -2,11 +2,15 @@
 TPOT, which a whole answer otherwise hides (its `usage` has no timings). The router's planner reads it where a
 /generate answer's `meta_info` would say the same.
 
-    Server-Timing: ttft;dur=412.5, tpot;dur=38.1      (milliseconds, the mean over the answer's choices)
+    Server-Timing: ttft;dur=412.500, tpot;dur=38.100      (milliseconds, the mean over the answer's choices)
+
+The parser is for this header as tidal writes it (metrics split at commas, parameters at semicolons): a
+quoted `desc` holding either, from a proxy, may cost the metrics after it, never an exception.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Iterable, Optional
 
 HEADER = "server-timing"
@@ -48,6 +52,6 @@ def parse_server_timing(value: Optional[str]) -> tuple[Optional[float], Optional
                 dur = float(raw.strip().strip('"'))
             except ValueError:
                 continue
-            if dur >= 0 and dur == dur and dur != float("inf"):
+            if math.isfinite(dur) and dur >= 0:
                 found.setdefault(name.lower(), dur / 1000)
     return found.get(TTFT), found.get(TPOT)

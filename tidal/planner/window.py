@@ -9,10 +9,9 @@ when it was streamed, its TTFT (first body bytes) and TPOT ((end - first) / (com
 (`meta_info.first_token_latency` and `e2e_latency` of /generate, an OpenAI answer's
 Server-Timing header), else it gives lengths only. A stream without token counts (OpenAI's
 without `usage`) gives its answer's length as its events and no prompt length (0: left out of
-the prompt statistics). While a request is
-open, its `InFlight` ticket holds the answer tokens streamed so far: a lower bound of its
-length, which keeps the mean answer over the router's first window from counting only the
-quickest requests.
+the prompt statistics). While a request is open, its `InFlight` ticket holds the answer tokens
+streamed so far: a lower bound of its length, which keeps the mean answer over the router's
+first window from counting only the quickest requests.
 """
 
 from __future__ import annotations
@@ -105,10 +104,9 @@ def server_latencies(answer: Any) -> tuple[Optional[float], Optional[float]]:
         if not isinstance(first, (int, float)):
             continue
         e2e, tokens = meta.get("e2e_latency"), meta.get("completion_tokens")
-        if isinstance(e2e, (int, float)) and isinstance(tokens, int):
-            items.append((float(first), float(e2e), tokens))
-        else:
-            items.append((float(first), 0.0, 0))  # no TPOT from it
+        complete = isinstance(e2e, (int, float)) and isinstance(tokens, int)
+        # without both, the item gives its TTFT only: 0 tokens give mean_latencies no TPOT
+        items.append((float(first), float(e2e), tokens) if complete else (float(first), 0.0, 0))
     return mean_latencies(items)
 
 

@@ -8,12 +8,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
 import aiohttp
 import msgspec
+from multidict import CIMultiDict, CIMultiDictProxy
 from starlette.responses import Response
 
 from tidal.router.metrics import RouterMetrics
 from tidal.router.workers import Worker, WorkerRegistry
-from tidal.server_timing import HEADER as SERVER_TIMING
 from tidal.server.protocol import error_body
+from tidal.server_timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ class Leg:
         self.req_headers = req_headers
         self.timeout_s = timeout_s
         self.status: Optional[int] = None
-        self.headers: Any = {}
+        self.headers: CIMultiDictProxy = CIMultiDictProxy(CIMultiDict())  # the worker's, once it answers
         self.body = b""
         self.error: Optional[str] = None
         self.timed_out = False
@@ -76,9 +77,10 @@ class Leg:
         return 504 if self.timed_out else 502
 
     def relayed_headers(self) -> Optional[dict]:
-        """The worker's headers a whole answer passes on: its Server-Timing (the server's TTFT and TPOT)."""
-        timing = self.headers.get(SERVER_TIMING)
-        return {SERVER_TIMING: timing} if timing else None
+        """The worker's headers a whole answer passes on: its Server-Timing lines (the server's TTFT and TPOT),
+        joined; none that is not ASCII (a worker's stray byte must not turn its good answer into a 500)."""
+        timing = ", ".join(self.headers.getall(SERVER_TIMING, ()))
+        return {SERVER_TIMING: timing} if timing and timing.isascii() else None
 
     def passthrough(self) -> Response:
         return Response(self.body, status_code=self.status or 502,

@@ -12,8 +12,6 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from tidal.sampling_params import seed_for_copy
-from tidal.server_timing import HEADER as SERVER_TIMING
-from tidal.server_timing import format_server_timing, mean_latencies
 from tidal.server.limits import check_n, check_prompt_count, check_top_logprobs
 from tidal.server.lora_api import lora_for_model
 from tidal.server.protocol import (
@@ -35,6 +33,8 @@ from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 from tidal.server.tool_calls import (ToolOutput, ToolPlan, finish_reason, plan_tools, refuse_tools, template_message,
                                      template_tools, tool_sampling)
 from tidal.server.tool_parser import get_parser
+from tidal.server_timing import HEADER as SERVER_TIMING
+from tidal.server_timing import format_server_timing, mean_latencies
 
 
 @dataclass
@@ -138,7 +138,7 @@ async def _respond(request: Request, tm: TokenizerManager, call: _Call, body: An
     if not await run_until_done(request, tm, call.states):
         return Response(status_code=499)
     choices = [make_choice(call, s) for s in call.states]
-    timing = format_server_timing(*mean_latencies(s.timing() for s in call.states))
+    timing = format_server_timing(*mean_latencies(s.latencies() for s in call.states))
     return JSONResp({"id": call.id, "object": call.kind, "created": call.created, "model": call.model,
                      "choices": choices, "usage": call.usage()},
                     headers={SERVER_TIMING: timing} if timing else None)

@@ -160,7 +160,7 @@ class ReqState:
     def num_completion_tokens(self) -> int:
         return self.completion_tokens or len(self.output_ids)
 
-    def timing(self) -> tuple[Optional[float], float, int]:
+    def latencies(self) -> tuple[Optional[float], float, int]:
         """(arrival to the first output token, None before it; arrival to the end, or to now; completion
         tokens): the TTFT and TPOT a non-streamed reply hides, by this server's clock."""
         end = self.finished_at or time.monotonic()
@@ -168,7 +168,7 @@ class ReqState:
         return first, end - self.created, self.num_completion_tokens()
 
     def meta_info(self) -> dict:
-        first, e2e, completion = self.timing()
+        first, e2e, completion = self.latencies()
         meta = {
             "id": self.rid,
             "finish_reason": self.finish_reason.to_json() if self.finish_reason else None,
