@@ -51,9 +51,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--decode-heavy", nargs=3, default=("32", "256", "auto"), metavar=("IN", "OUT", "RATE"),
                    help="decode phase: prompt tokens, output tokens, requests/s or auto (default: 32 256 auto)")
     p.add_argument("--rate-headroom", type=float, default=AUTO_HEADROOM,
-                   help="an auto RATE is the rate at which the phase's best layout of the 3 servers (one prefill "
-                        "and one decode worker at least) keeps this multiple of it in predicted capacity, by "
-                        f"--planner-profile and the SLOs of --cluster-args (default: {AUTO_HEADROOM:g})")
+                   help="an auto RATE is the rate at which the layout the planner heads for from 1:1:1 keeps this "
+                        "multiple of it in predicted capacity, by --planner-profile and the planner flags of "
+                        f"--cluster-args (default: {AUTO_HEADROOM:g})")
     p.add_argument("--planner-profile", default=PROFILE,
                    help="the planner's cost model, which also sets auto rates: measure this host's (docs/"
                         "elasticity.md, Calibration) (default: the shipped tidal/profile/data/smollm2_cpu_2core.json)")

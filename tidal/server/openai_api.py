@@ -33,8 +33,7 @@ from tidal.server.tokenizer_manager import ReqState, TokenizerManager
 from tidal.server.tool_calls import (ToolOutput, ToolPlan, finish_reason, plan_tools, refuse_tools, template_message,
                                      template_tools, tool_sampling)
 from tidal.server.tool_parser import get_parser
-from tidal.server_timing import HEADER as SERVER_TIMING
-from tidal.server_timing import format_server_timing, mean_latencies
+from tidal.server_timing import HEADER as SERVER_TIMING, format_server_timing, mean_latencies
 
 
 @dataclass
