@@ -712,6 +712,49 @@ def test_the_running_request_limit_caps_the_batch_and_the_excess_waits():
     assert tight.ttft_s > free.ttft_s + 5.0  # 6 req/s against 8 slots freed every 500 steps
 
 
+def test_a_decode_pool_short_of_the_mean_rate_never_catches_up():
+    """Saturated at the window's mean rate, a decode pool's queue for a slot grows while that rate lasts
+    (SATURATED_HORIZON_S), not for one interval: 10% short, the layout misses the TTFT SLO at today's rate
+    (charged one interval it added 0.5 s and ranked 1.4x today's rate in capacity). A burst's excess over
+    the mean waits one interval."""
+    from tidal.planner.predict import SATURATED_HORIZON_S, CostPredictor, PoolLoad
+
+    capped = CostModel.from_dict(dict(PROFILE, server={"max_total_tokens": KV, "max_running_requests": 8}))
+    mu = 8 / (500 * capped.decode_step_seconds(8, 8 * 350))  # requests a second one decode worker passes
+    short = Traffic(arrival_rate=1.1 * mu, mean_input_tokens=100, mean_output_tokens=500)
+    d = decide(NOW, cfg(), PlannerState(), layout(2, 1, 0), short, capped)
+    assert d.current.paths["pd"].ttft_s > SATURATED_HORIZON_S * 0.09 > cfg().ttft_slo_s
+    assert d.current.capacity < 1.0
+    pred = CostPredictor(capped, 3.0, 0.1, 5.0)
+    load = PoolLoad(layout(2, 1, 0))
+    _, burst = pred._decode(2 * mu, 0.0, 100, 500, load, 0.0, 0.5 * mu)
+    _, both = pred._decode(2 * mu, 0.0, 100, 500, load, 0.0, 1.1 * mu)
+    assert burst == pytest.approx(5.0, rel=0.01)  # one interval of a burst twice what the worker passes
+    assert both == pytest.approx(5.0 * 0.9 + SATURATED_HORIZON_S * 0.1, rel=0.01)
+
+
+def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_finish():
+    """After a chat phase the window's finished requests say 80-token prompts; 30 prompts of 450 tokens queue on the
+    prefill workers (the new mix, waiting behind the backlog it causes): the planner heads for the prefill pool
+    that mix needs, and says why. Fewer than QUEUED_SAMPLE waiting, or a queue of the window's mix, change nothing."""
+    from tidal.planner.decide import QUEUED_SAMPLE, queued_mix
+
+    chat = Traffic(arrival_rate=4.0, mean_input_tokens=80, mean_output_tokens=80,
+                   input_tokens_deciles=[40, 50, 60, 70, 80, 85, 90, 100, 110, 130])
+    queued = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450,
+                                                                         "waiting_reqs": 15}), chat, COST)
+    few = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450,
+                                                                      "waiting_reqs": 9}), chat, COST)
+    assert 2 * 9 < QUEUED_SAMPLE <= 2 * 15
+    assert queued.kind == "move" and "prompts of 450 tokens as queued (30 waiting; the window's 80)" in queued.reason
+    assert queued.target.pools[PREFILL] > few.target.pools[PREFILL] > 2, (queued.reason, few.reason)
+    assert "as queued" not in few.reason
+    same_mix = layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 90, "waiting_reqs": 15})
+    assert queued_mix(same_mix, chat) == (chat, "")
+    longer, _ = queued_mix(layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}), chat)
+    assert longer.mean_input_tokens == 450 and longer.input_tokens_deciles[0] == round(40 * 450 / 80)
+
+
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():
     """A decode server counts PD requests still waiting for their prefill's KV as running (they hold
     memory) but decodes only its batch: the prediction's batch floor is the batch it reports."""

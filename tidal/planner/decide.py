@@ -14,7 +14,9 @@ while it stays the best layout (`PlannerState.committed`: without the hysteresis
 would stop the walk short where the remaining gain is smaller), up to `max_concurrent_moves` at once. Aiming at capacity
 rather than at today's latency keeps headroom for bursts and makes the target depend on the
 mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
-small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score.
+small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score. The prompt
+lengths are the window's, or the queued prompts' when at least QUEUED_SAMPLE wait and they are another mix
+(`queued_mix`: the window learns a length only when its request finishes).
 When no layout meets today's rate and the heading layout's decode side meets the TPOT SLO at it,
 only layouts whose decode side also meets it are ranked (`meets_tpot`): a prefill backlog drains,
 while a decode pool too small for today's rate makes every request it serves miss.
@@ -66,6 +68,10 @@ NEAR_TIE = 0.02  # layouts within this fraction of the best capacity (or score) 
 NEAR_BEST = 0.05
 CAPACITY_LOG2 = (-6.0, 12.0)  # capacity is searched between 1/64 and 4096 times the rate
 CAPACITY_STEPS = 10  # bisection steps in log2: about 1% precision
+# the prompts waiting for prefill stand for the mix (`queued_mix`) when at least this many wait and their mean
+# differs from the window's by this factor, either way
+QUEUED_SAMPLE = 20
+QUEUED_SHIFT = 1.5
 
 
 @dataclasses.dataclass
@@ -392,6 +398,27 @@ def toward(target: Prediction, heading: dict[str, int], legal: list[Candidate]) 
     return out
 
 
+def queued_mix(loads: list[WorkerLoad], traffic: Traffic) -> tuple[Traffic, str]:
+    """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
+    are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
+    when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
+    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 92-244 tokens for 30 s
+    while the prefill pool fell behind). QUEUED_SAMPLE waiting prompts are the newest arrivals; when their mean
+    differs from the window's by QUEUED_SHIFT they are the mix, the deciles scaled alike."""
+    waiting = sum(w.waiting_reqs for w in loads if w.mode != DECODE)
+    queued = sum(w.queued_prefill_tokens for w in loads if w.mode != DECODE)
+    if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
+        return traffic, ""
+    ratio = queued / waiting / traffic.mean_input_tokens
+    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
+        return traffic, ""
+    note = (f"; prompts of {queued / waiting:.0f} tokens as queued ({waiting} waiting; "
+            f"the window's {traffic.mean_input_tokens:.0f})")
+    return msgspec.structs.replace(
+        traffic, mean_input_tokens=queued / waiting,
+        input_tokens_deciles=[max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]), note
+
+
 def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = None,
           cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None,
           target: Optional[Prediction] = None) -> Decision:
@@ -405,6 +432,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     if cfg.mode != "sla":
         return _hold(now, "static", "planner is static")
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
+    traffic, queued_note = queued_mix(loads, traffic)
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     load = PoolLoad(loads)
@@ -433,7 +461,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     pays, what = gain_enough(current, target, cfg.hysteresis)
     if state.committed == target.pools and not pays:
         pays, what = True, f"{what} (committed)"
-    why = f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
+    why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
+           + queued_note)
     if not pays:
         return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g})",
                      current, cands, target=target)
