@@ -731,6 +731,9 @@ def test_a_decode_pool_short_of_the_mean_rate_never_catches_up():
     _, both = pred._decode(2 * mu, 0.0, 100, 500, load, 0.0, 1.1 * mu)
     assert burst == pytest.approx(5.0, rel=0.01)  # one interval of a burst twice what the worker passes
     assert both == pytest.approx(5.0 * 0.9 + SATURATED_HORIZON_S * 0.1, rel=0.01)
+    # null workers too: colocated, 10% short of the mean rate's decodes (more once prefill stalls them)
+    alone = decide(NOW, cfg(min_per_pool=0), PlannerState(), layout(0, 0, 1), short, capped)
+    assert alone.current.paths["null"].ttft_s > SATURATED_HORIZON_S * 0.09 and alone.current.capacity < 1.0
 
 
 def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_finish():
@@ -753,6 +756,15 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     assert queued_mix(same_mix, chat) == (chat, "")
     longer, _ = queued_mix(layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}), chat)
     assert longer.mean_input_tokens == 450 and longer.input_tokens_deciles[0] == round(40 * 450 / 80)
+    # exactly QUEUED_SAMPLE waiting is enough; a decode worker's waiting (PD requests waiting for KV) is no prompt
+    at_sample = {"queued_prefill_tokens": QUEUED_SAMPLE // 2 * 450, "waiting_reqs": QUEUED_SAMPLE // 2}
+    assert queued_mix(layout(2, 6, 0, prefill=at_sample), chat)[0].mean_input_tokens == 450
+    with_decodes = layout(2, 6, 0, prefill=at_sample, decode={"queued_prefill_tokens": 9000, "waiting_reqs": 90})
+    assert queued_mix(with_decodes, chat)[0].mean_input_tokens == 450
+    # the other way: a code-like window, chat-like prompts queued on null workers
+    code = msgspec.structs.replace(chat, mean_input_tokens=450, input_tokens_deciles=[])
+    shorter, note = queued_mix(layout(1, 1, 4, null={"queued_prefill_tokens": 6 * 80, "waiting_reqs": 6}), code)
+    assert shorter.mean_input_tokens == 80 and "prompts of 80 tokens as queued (24 waiting" in note
 
 
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():

@@ -402,9 +402,12 @@ def queued_mix(loads: list[WorkerLoad], traffic: Traffic) -> tuple[Traffic, str]
     """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
     are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
     when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
-    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 92-244 tokens for 30 s
-    while the prefill pool fell behind). QUEUED_SAMPLE waiting prompts are the newest arrivals; when their mean
-    differs from the window's by QUEUED_SHIFT they are the mix, the deciles scaled alike."""
+    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over
+    the next 30 s while the prefill pool fell behind). The waiting prompts are the newest arrivals (first come,
+    first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
+    the window's by QUEUED_SHIFT they are the mix, the deciles scaled alike. The mean is rough: the tokens count
+    the rest of a prompt being prefilled in chunks (not a waiting request) and a retracted request's generated
+    tokens, and a request waiting for its grammar counts with no tokens."""
     waiting = sum(w.waiting_reqs for w in loads if w.mode != DECODE)
     queued = sum(w.queued_prefill_tokens for w in loads if w.mode != DECODE)
     if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:

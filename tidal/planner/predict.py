@@ -27,9 +27,9 @@ tokens over the window, T = the planner interval):
   running requests / D now, at most the KV capacity max_total_tokens / (I + O) and the
   profile's max_running_requests (when it records it). At that
   cap the pool is saturated and the excess waits for a slot, mu = B_max / (O * TPOT) requests
-  per second: the mean rate's excess for as long as that rate lasts, E = lambda_mean_w/mu - 1,
+  per second: the mean rate's excess for as long as that rate lasts, E = max(0, lambda_mean_w/mu - 1),
   TTFT += H * E with H = SATURATED_HORIZON_S (300 s: a pool short of the mean rate never
-  catches up), and a burst's beyond it for one interval, TTFT += T * (lambda_w/mu - 1 - E).
+  catches up), and a burst's beyond it for one interval, TTFT += T * max(0, lambda_w/mu - 1 - E).
 - null worker: both at once. Prefill runs first and stalls decode, so its TPOT is the
   decode step divided by (1 - rho_prefill), and its TTFT is the prefill queue above
   (plus one decode step, the batch it waits behind), with the same KV cap.
@@ -79,8 +79,9 @@ UNSERVABLE = 1e9  # score of a layout that serves nothing
 DEFAULT_PREFILL_STEP_TOKENS = prefill_step_tokens(ServerArgs.chunked_prefill_size, ServerArgs.max_prefill_tokens)
 MAX_STALL = 0.95  # a null worker never spends more than this fraction prefilling, in the model
 # a decode pool saturated at the window's *mean* rate stays saturated while that rate lasts, so its excess queues
-# for this long (the default burst history's span), not one interval: charged one interval, a pool 11% short of
-# a chat mix's decodes added 0.6 s to the TTFT and ranked 2.2x today's rate in capacity
+# for this long (a constant, as long as the default --planner-burst-window-s), not one interval: charged one
+# interval, a pool 11% short of a chat mix's decodes added 0.6 s to the TTFT and ranked 2.2x today's rate in
+# capacity
 SATURATED_HORIZON_S = 300.0
 FIXED_POINT_ITERATIONS = 30
 
