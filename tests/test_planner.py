@@ -741,6 +741,7 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     prefill workers (the new mix, waiting behind the backlog it causes): the planner heads for the prefill pool
     that mix needs, and says why. Fewer than QUEUED_SAMPLE waiting, or a queue of the window's mix, change nothing."""
     from tidal.planner.decide import QUEUED_SAMPLE, queued_mix
+    from tidal.planner.predict import PoolLoad
 
     chat = Traffic(arrival_rate=4.0, mean_input_tokens=80, mean_output_tokens=80,
                    input_tokens_deciles=[40, 50, 60, 70, 80, 85, 90, 100, 110, 130])
@@ -753,17 +754,19 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     assert queued.target.pools[PREFILL] > few.target.pools[PREFILL] > 2, (queued.reason, few.reason)
     assert "as queued" not in few.reason
     same_mix = layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 90, "waiting_reqs": 15})
-    assert queued_mix(same_mix, chat) == (chat, "")
-    longer, _ = queued_mix(layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}), chat)
+    assert queued_mix(PoolLoad(same_mix), chat) == (chat, "")
+    queued_450 = layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15})
+    longer, _ = queued_mix(PoolLoad(queued_450), chat)
     assert longer.mean_input_tokens == 450 and longer.input_tokens_deciles[0] == round(40 * 450 / 80)
     # exactly QUEUED_SAMPLE waiting is enough; a decode worker's waiting (PD requests waiting for KV) is no prompt
     at_sample = {"queued_prefill_tokens": QUEUED_SAMPLE // 2 * 450, "waiting_reqs": QUEUED_SAMPLE // 2}
-    assert queued_mix(layout(2, 6, 0, prefill=at_sample), chat)[0].mean_input_tokens == 450
+    assert queued_mix(PoolLoad(layout(2, 6, 0, prefill=at_sample)), chat)[0].mean_input_tokens == 450
     with_decodes = layout(2, 6, 0, prefill=at_sample, decode={"queued_prefill_tokens": 9000, "waiting_reqs": 90})
-    assert queued_mix(with_decodes, chat)[0].mean_input_tokens == 450
+    assert queued_mix(PoolLoad(with_decodes), chat)[0].mean_input_tokens == 450
     # the other way: a code-like window, chat-like prompts queued on null workers
     code = msgspec.structs.replace(chat, mean_input_tokens=450, input_tokens_deciles=[])
-    shorter, note = queued_mix(layout(1, 1, 4, null={"queued_prefill_tokens": 6 * 80, "waiting_reqs": 6}), code)
+    queued_80 = layout(1, 1, 4, null={"queued_prefill_tokens": 6 * 80, "waiting_reqs": 6})
+    shorter, note = queued_mix(PoolLoad(queued_80), code)
     assert shorter.mean_input_tokens == 80 and "prompts of 80 tokens as queued (24 waiting" in note
 
 

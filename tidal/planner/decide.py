@@ -398,7 +398,7 @@ def toward(target: Prediction, heading: dict[str, int], legal: list[Candidate]) 
     return out
 
 
-def queued_mix(loads: list[WorkerLoad], traffic: Traffic) -> tuple[Traffic, str]:
+def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
     are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
     when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
@@ -408,8 +408,8 @@ def queued_mix(loads: list[WorkerLoad], traffic: Traffic) -> tuple[Traffic, str]
     the window's by QUEUED_SHIFT they are the mix, the deciles scaled alike. The mean is rough: the tokens count
     the rest of a prompt being prefilled in chunks (not a waiting request) and a retracted request's generated
     tokens, and a request waiting for its grammar counts with no tokens."""
-    waiting = sum(w.waiting_reqs for w in loads if w.mode != DECODE)
-    queued = sum(w.queued_prefill_tokens for w in loads if w.mode != DECODE)
+    waiting = load.waiting[PREFILL] + load.waiting[NULL]
+    queued = load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
     if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
         return traffic, ""
     ratio = queued / waiting / traffic.mean_input_tokens
@@ -435,10 +435,10 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     if cfg.mode != "sla":
         return _hold(now, "static", "planner is static")
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
-    traffic, queued_note = queued_mix(loads, traffic)
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     load = PoolLoad(loads)
+    traffic, queued_note = queued_mix(load, traffic)
     predictor = make_predictor(cfg, cost, pools)
     current = predictor.predict(heading, load, traffic)
     if current is None:

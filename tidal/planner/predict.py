@@ -92,11 +92,13 @@ class PoolLoad:
     def __init__(self, loads: list[WorkerLoad]) -> None:
         self.count = {m: 0 for m in (PREFILL, DECODE, NULL)}
         self.queued_prefill_tokens = dict.fromkeys(self.count, 0)
+        self.waiting = dict.fromkeys(self.count, 0)
         self.running = dict.fromkeys(self.count, 0)
         self.kv_tokens_total = 0
         for w in loads:
             self.count[w.mode] += 1
             self.queued_prefill_tokens[w.mode] += w.queued_prefill_tokens
+            self.waiting[w.mode] += w.waiting_reqs
             # a decode server's PD requests waiting for their KV hold memory but are not in its batch
             self.running[w.mode] += w.decoding_reqs if w.decoding_reqs >= 0 else w.running_reqs
             self.kv_tokens_total = max(self.kv_tokens_total, w.kv_tokens_total)
