@@ -316,6 +316,62 @@ def test_first_window_mean_answer_counts_the_requests_still_streaming():
     assert few.traffic(2.0).mean_output_tokens == pytest.approx(10)  # too few finished: completions alone
 
 
+def test_a_turn_to_longer_answers_shows_in_the_newest_arrivals_before_they_finish():
+    """Past the first window the finished requests set the mean answer, unless the last ANSWER_COHORT_S seconds'
+    arrivals, the open ones counting as longer than their tokens so far, say ANSWER_SHIFT times more: at a
+    turn to long answers the short ones of the old mix finish first and the window keeps saying them."""
+    from tidal.planner.window import ANSWER_COHORT_S, ANSWER_SHIFT
+
+    def window(open_tokens: int, cohort_finished: int = 20) -> tuple[TrafficWindow, list]:
+        w = TrafficWindow(window_s=30.0, started_at=0.0)
+        for k in range(120):  # a steady short-answer mix, 2 a second
+            t = k * 0.5
+            w.completion(t + 0.5, Observation(path="pd", prompt_tokens=400, completion_tokens=5, arrived_at=t),
+                         w.arrival(t))
+        held = []
+        for k in range(40):  # the last 10 s: the old mix's short answers finish, the new mix's long ones stream
+            t = 60.1 + k * 0.2
+            ticket = w.arrival(t)
+            if k % 2 and k // 2 < cohort_finished:
+                w.completion(t + 0.1, Observation(path="pd", prompt_tokens=400, completion_tokens=5, arrived_at=t),
+                             ticket)
+            else:
+                ticket.tokens = open_tokens
+                held.append(ticket)
+        return w, held
+
+    assert ANSWER_COHORT_S == 10.0 and ANSWER_SHIFT == 1.5
+    turned, held = window(open_tokens=40)
+    assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5 + 0.5 * 36)  # Kaplan-Meier over the cohort
+    steady, held2 = window(open_tokens=6)  # open, but not longer enough than the finished: the window's
+    assert steady.traffic(70.0).mean_output_tokens == pytest.approx(5)
+    few, held3 = window(open_tokens=40, cohort_finished=19)  # too few of the cohort finished to tell
+    assert few.traffic(70.0).mean_output_tokens == pytest.approx(5)
+    del held[:]  # the long ones fail: nothing open says longer
+    assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5)
+
+
+def test_answers_are_remembered_by_prompt_length_class_across_shifts_of_the_mix():
+    """Traffic.answer_by_prompt_class: each class (a prompt's bit length) with MIN_CLASS_SAMPLES answers or more,
+    its last ANSWER_MEMORY; a shift of the mix, which restarts the length history, keeps them."""
+    from tidal.planner.window import ANSWER_MEMORY, MIN_CLASS_SAMPLES
+
+    w = TrafficWindow(30.0, 0.0, burst_window_s=300.0)
+    for k in range(40):
+        w.completion(1.0, Observation(path="pd", prompt_tokens=400, completion_tokens=5))
+        w.completion(1.0, Observation(path="pd", prompt_tokens=60, completion_tokens=70))
+    for k in range(MIN_CLASS_SAMPLES - 1):
+        w.completion(1.0, Observation(path="pd", prompt_tokens=3000, completion_tokens=9))
+    w.completion(1.0, Observation(path="pd", prompt_tokens=0, completion_tokens=50))  # no prompt length: no class
+    assert w.traffic(2.0).answer_by_prompt_class == {(400).bit_length(): 5.0, (60).bit_length(): 70.0}
+    for k in range(40):  # a new mix, 30x the answers: the history restarts, the classes stay
+        w.completion(40.0 + k * 0.1, Observation(path="pd", prompt_tokens=100, completion_tokens=2100))
+    assert w.traffic(45.0).answer_by_prompt_class[(60).bit_length()] == 70.0
+    assert w.mix_shifts == 1 and w.traffic(45.0).answer_by_prompt_class[(100).bit_length()] == 2100
+    w.completion(50.0, Observation(path="pd", prompt_tokens=400, completion_tokens=1), requests=ANSWER_MEMORY + 5)
+    assert w.traffic(50.0).answer_by_prompt_class[(400).bit_length()] == 1.0  # only the last ANSWER_MEMORY
+
+
 def test_token_counts_from_answers_and_streams():
     assert body_token_counts(b'{"text":"x","meta_info":{"prompt_tokens":7,"completion_tokens":3}}') == (7, 3)
     assert body_token_counts(b'{"usage":{"prompt_tokens":5,"completion_tokens":2}}') == (5, 2)
@@ -768,6 +824,22 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     queued_80 = layout(1, 1, 4, null={"queued_prefill_tokens": 6 * 80, "waiting_reqs": 6})
     shorter, note = queued_mix(PoolLoad(queued_80), code)
     assert shorter.mean_input_tokens == 80 and "prompts of 80 tokens as queued (24 waiting" in note
+    # their answers: those that prompts of the scaled deciles' lengths had, where the remembered classes cover
+    # QUEUED_CLASS_COVER of the deciles (40..130 x 450/80: one in class 8, six in 9, three in 10)
+    remembered = msgspec.structs.replace(chat, answer_by_prompt_class={8: 6.0, 9: 5.0, 10: 5.0, 6: 80.0})
+    known, note = queued_mix(PoolLoad(queued_450), remembered)
+    assert known.mean_output_tokens == pytest.approx(5.1)
+    assert "answers of 5 as such prompts had (the window's 80)" in note
+    partial = msgspec.structs.replace(chat, answer_by_prompt_class={9: 5.0, 6: 80.0})  # 6 of the 10 deciles
+    assert queued_mix(PoolLoad(queued_450), partial)[0].mean_output_tokens == 80
+    # at three times the rate, 80-token answers would need a second decode worker; 5-token ones do not
+    busy, busy_remembered = (msgspec.structs.replace(t, arrival_rate=12.0) for t in (chat, remembered))
+    backlog = {"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}
+    assumed = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill=backlog), busy, COST)
+    short_answers = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill=backlog), busy_remembered, COST)
+    assert short_answers.target.pools[DECODE] == 1 < assumed.target.pools[DECODE], (short_answers.reason,
+                                                                                     assumed.reason)
+    assert "answers of 5 as such prompts had" in short_answers.reason
 
 
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():

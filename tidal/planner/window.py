@@ -11,7 +11,9 @@ Server-Timing header), else it gives lengths only. A stream without token counts
 without `usage`) gives its answer's length as its events and no prompt length (0: left out of
 the prompt statistics). While a request is open, its `InFlight` ticket holds the answer tokens
 streamed so far: a lower bound of its length, which keeps the mean answer over the router's
-first window from counting only the quickest requests.
+first window, and at a turn to longer answers, from counting only the quickest requests. The
+answers are also remembered by the prompt's length class, across shifts of the mix: what the
+planner takes for the answers of queued prompts it has not seen finish.
 """
 
 from __future__ import annotations
@@ -42,8 +44,16 @@ MIN_SHIFT_WINDOW_SAMPLES = 20
 # the mean lengths and deciles come from the window's completions, or from the last this many of the history
 # when the window has fewer (a lull's stragglers are not the mix)
 MIN_LENGTH_SAMPLES = 64
-# in the router's first window the mean answer counts the open requests too, once this many have finished
+# the mean answer counts the open requests too (`_mean_answer`), once this many of a cohort of arrivals have
+# finished: in the router's first window, and when that mean is ANSWER_SHIFT times the finished requests' or more
 MIN_COHORT_SAMPLES = 20
+ANSWER_SHIFT = 1.5
+# after the first window, the requests that arrived in the last this many seconds are the cohort (a new mix
+# shows in the newest arrivals first)
+ANSWER_COHORT_S = 10.0
+# the answers remembered per class of prompt length (Traffic.answer_by_prompt_class), and how many a class needs
+ANSWER_MEMORY = 4096
+MIN_CLASS_SAMPLES = 20
 
 
 class InFlight:
@@ -179,18 +189,19 @@ class TrafficWindow:
         self.completions: collections.deque[tuple[float, Observation]] = collections.deque()
         # (completed at, prompt, answer, arrived at or None)
         self.length_history: collections.deque[tuple[float, int, int, Optional[float]]] = collections.deque()
-        # the first window's open requests; a ticket its caller drops (a failed or cancelled request) leaves by itself
+        # the open requests' tickets; a ticket its caller drops (a failed or cancelled request) leaves by itself
         self.open: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.mix_shifts = 0
+        # the last ANSWER_MEMORY answers per prompt length class (bit length), across shifts of the mix
+        self.answers_by_class: dict[int, collections.deque[int]] = {}
 
     def arrival(self, now: float, requests: int = 1) -> Optional[InFlight]:
-        """Counts `requests` arrivals (one body may carry several). In the first window, a ticket for its
-        caller to keep current, open until `completion` or `forget`, for a single request; else None (only
-        the first window's mean answer reads the open requests, and a batch's stream counts all its items'
-        tokens together)."""
+        """Counts `requests` arrivals (one body may carry several). For a single request, a ticket for its
+        caller to keep current, open until `completion` or `forget`; else None (a batch's stream counts all
+        its items' tokens together)."""
         self.arrivals.extend([now] * requests)
         self.arrival_history.extend([now] * requests)
-        if requests != 1 or now - self.started_at >= self.window_s:
+        if requests != 1:
             return None
         ticket = InFlight(now)
         self.open.add(ticket)
@@ -220,6 +231,10 @@ class TrafficWindow:
         self.completions.extend([(now, obs)] * requests)
         if obs.completion_tokens > 0:
             self.length_history.extend([(now, obs.prompt_tokens, obs.completion_tokens, obs.arrived_at)] * requests)
+            if obs.prompt_tokens > 0:
+                memory = self.answers_by_class.setdefault(obs.prompt_tokens.bit_length(),
+                                                          collections.deque(maxlen=ANSWER_MEMORY))
+                memory.extend([obs.completion_tokens] * min(requests, ANSWER_MEMORY))
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s
@@ -275,23 +290,33 @@ class TrafficWindow:
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),
+                       answer_by_prompt_class={k: _mean(list(v)) for k, v in self.answers_by_class.items()
+                                               if len(v) >= MIN_CLASS_SAMPLES},
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
 
     def _mean_answer(self, now: float, finished_mean: float) -> float:
-        """The mean answer: over the router's first window (the cluster filling up), that of every request
-        that has arrived, those still open counting as longer than their tokens so far (`censored_mean`),
-        once MIN_COHORT_SAMPLES of them have finished; else `finished_mean`, the requests that finished.
-        Early on the answers that have finished are the shortest: 64 instances on the conversation trace
-        saw 29 tokens at t = 5 s against ~60. Later a window's completions are a fair sample of the mix (each
-        length finishes at the rate it arrives); the window's arrivals there too lost on 4 of 11 simulated runs
-        and gained on 2 (docs/elasticity.md)."""
-        if now - self.started_at >= self.window_s:
-            return finished_mean
-        finished = [c for _, _, c, arrived in self.length_history if arrived is not None]
+        """The mean answer: `finished_mean` (the requests that finished), or that of a cohort of arrivals, those
+        still open counting as longer than their tokens so far (`censored_mean`), once MIN_COHORT_SAMPLES of
+        them have finished: every arrival over the router's first window (the cluster filling up), and later
+        the last ANSWER_COHORT_S seconds' whenever their mean is ANSWER_SHIFT times `finished_mean` or more
+        (the mix turned to longer answers).
+        The answers that finish first are the shortest: early on, 64 instances on the conversation trace saw
+        29 tokens at t = 5 s against ~60, and at a turn to longer answers the finished requests keep the old
+        mix's until the new ones end (a synthetic turn from 5- to 62-token answers: 5, 7, 12, 23, 37 tokens
+        at 5, 10, 15, 20 and 25 s). In a steady mix a window's completions are a fair sample (each length
+        finishes at the rate it arrives), and the arrivals' mean on every window lost on 4 of 11 simulated
+        runs and gained on 2 (docs/elasticity-log.md)."""
+        first = now - self.started_at < self.window_s
+        edge = now - (self.window_s if first else ANSWER_COHORT_S)
+        finished = [o.completion_tokens for _, o in self.completions
+                    if o.completion_tokens > 0 and o.arrived_at is not None and o.arrived_at > edge]
         if len(finished) < MIN_COHORT_SAMPLES:
             return finished_mean
-        return censored_mean(finished, [t.tokens for t in self.open])
+        cohort = censored_mean(finished, [t.tokens for t in self.open if t.arrived_at > edge])
+        if first or cohort >= ANSWER_SHIFT * finished_mean:
+            return cohort
+        return finished_mean
 
 
 def censored_mean(finished: list[int], unfinished: list[int]) -> float:

@@ -39,7 +39,7 @@ class SimReq:
         self.finished_at: Optional[float] = None
         self.outcome = ""  # "", then "finished", "rejected" or "unfinished"
         self.retractions = 0
-        self.ticket: Any = None  # the planner window's InFlight (arrivals in its first window)
+        self.ticket: Any = None  # the planner window's InFlight (its answer tokens so far)
         self.fill_ids: range = range(0)
         self.prefix_indices: range = range(0)
         self.extend_input_len = 0
