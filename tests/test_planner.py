@@ -351,25 +351,37 @@ def test_a_turn_to_longer_answers_shows_in_the_newest_arrivals_before_they_finis
     assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5)
 
 
-def test_answers_are_remembered_by_prompt_length_class_across_shifts_of_the_mix():
-    """Traffic.answer_by_prompt_class: each class (a prompt's bit length) with MIN_CLASS_SAMPLES answers or more,
-    its last ANSWER_MEMORY; a shift of the mix, which restarts the length history, keeps them."""
-    from tidal.planner.window import ANSWER_MEMORY, MIN_CLASS_SAMPLES
+def test_past_windows_mixes_are_remembered_across_shifts_and_the_last_seconds_rate_kept():
+    """Traffic.past_mixes: a window's mean prompt and answer over its finished requests (MIN_LENGTH_SAMPLES or more
+    reporting both), one per window length, newest first, at most MIX_MEMORY, kept when a shift of the mix restarts
+    the length history. Traffic.recent_arrival_rate: the arrivals of the last ANSWER_COHORT_S seconds."""
+    from tidal.planner.window import ANSWER_COHORT_S, MIN_LENGTH_SAMPLES, MIX_MEMORY
 
     w = TrafficWindow(30.0, 0.0, burst_window_s=300.0)
-    for k in range(40):
-        w.completion(1.0, Observation(path="pd", prompt_tokens=400, completion_tokens=5))
-        w.completion(1.0, Observation(path="pd", prompt_tokens=60, completion_tokens=70))
-    for k in range(MIN_CLASS_SAMPLES - 1):
-        w.completion(1.0, Observation(path="pd", prompt_tokens=3000, completion_tokens=9))
-    w.completion(1.0, Observation(path="pd", prompt_tokens=0, completion_tokens=50))  # no prompt length: no class
-    assert w.traffic(2.0).answer_by_prompt_class == {(400).bit_length(): 5.0, (60).bit_length(): 70.0}
-    for k in range(40):  # a new mix, 30x the answers: the history restarts, the classes stay
-        w.completion(40.0 + k * 0.1, Observation(path="pd", prompt_tokens=100, completion_tokens=2100))
-    assert w.traffic(45.0).answer_by_prompt_class[(60).bit_length()] == 70.0
-    assert w.mix_shifts == 1 and w.traffic(45.0).answer_by_prompt_class[(100).bit_length()] == 2100
-    w.completion(50.0, Observation(path="pd", prompt_tokens=400, completion_tokens=1), requests=ANSWER_MEMORY + 5)
-    assert w.traffic(50.0).answer_by_prompt_class[(400).bit_length()] == 1.0  # only the last ANSWER_MEMORY
+    for k in range(MIN_LENGTH_SAMPLES):
+        w.completion(1.0 + k * 0.1, Observation(path="pd", prompt_tokens=400 + 20 * (k % 2), completion_tokens=5))
+    w.completion(8.0, Observation(path="pd", prompt_tokens=0, completion_tokens=50))  # no prompt length: left out
+    assert w.traffic(10.0).past_mixes == [[410.0, 5.0]]
+    assert w.traffic(20.0).past_mixes == [[410.0, 5.0]]  # one per window length
+    for k in range(MIN_LENGTH_SAMPLES):  # a new mix, 15x the answers: the history restarts, the past mixes stay
+        w.completion(45.0 + k * 0.1, Observation(path="pd", prompt_tokens=60, completion_tokens=75))
+    assert w.traffic(55.0).past_mixes == [[60.0, 75.0], [410.0, 5.0]] and w.mix_shifts == 1
+    assert w.traffic(70.0).past_mixes == [[60.0, 75.0], [410.0, 5.0]]  # too few finished in this window
+    for t in range(MIX_MEMORY + 5):
+        for k in range(MIN_LENGTH_SAMPLES):
+            w.completion(100.0 + 30 * t, Observation(path="pd", prompt_tokens=60, completion_tokens=75))
+        w.traffic(100.0 + 30 * t)
+    assert len(w.traffic(100.0 + 30 * (MIX_MEMORY + 5)).past_mixes) == MIX_MEMORY
+    rush = TrafficWindow(30.0, 0.0)
+    for k in range(180):  # 4 a second for 20 s, then 10 a second
+        rush.arrival(0.125 + k * 0.25 if k < 80 else 20.05 + (k - 80) * 0.1)
+    assert ANSWER_COHORT_S == 10.0
+    assert rush.traffic(30.0).arrival_rate == pytest.approx(6.0)
+    assert rush.traffic(30.0).recent_arrival_rate == pytest.approx(10.0)
+    early = TrafficWindow(30.0, 0.0)
+    for k in range(20):
+        early.arrival(0.125 + k * 0.25)
+    assert early.traffic(5.0).recent_arrival_rate == pytest.approx(4.0)  # the router's first seconds: over them
 
 
 def test_token_counts_from_answers_and_streams():
@@ -824,22 +836,25 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     queued_80 = layout(1, 1, 4, null={"queued_prefill_tokens": 6 * 80, "waiting_reqs": 6})
     shorter, note = queued_mix(PoolLoad(queued_80), code)
     assert shorter.mean_input_tokens == 80 and "prompts of 80 tokens as queued (24 waiting" in note
-    # their answers: those that prompts of the scaled deciles' lengths had, where the remembered classes cover
-    # QUEUED_CLASS_COVER of the deciles (40..130 x 450/80: one in class 8, six in 9, three in 10)
-    remembered = msgspec.structs.replace(chat, answer_by_prompt_class={8: 6.0, 9: 5.0, 10: 5.0, 6: 80.0})
-    known, note = queued_mix(PoolLoad(queued_450), remembered)
-    assert known.mean_output_tokens == pytest.approx(5.1)
-    assert "answers of 5 as such prompts had (the window's 80)" in note
-    partial = msgspec.structs.replace(chat, answer_by_prompt_class={9: 5.0, 6: 80.0})  # 6 of the 10 deciles
-    assert queued_mix(PoolLoad(queued_450), partial)[0].mean_output_tokens == 80
-    # at three times the rate, 80-token answers would need a second decode worker; 5-token ones do not
-    busy, busy_remembered = (msgspec.structs.replace(t, arrival_rate=12.0) for t in (chat, remembered))
+    # their answers: those of the past window whose prompts were nearest theirs, within QUEUED_SHIFT; their rate:
+    # the last seconds' (the window's straddles the shift)
+    seen = msgspec.structs.replace(chat, past_mixes=[[80.0, 80.0], [350.0, 5.0], [600.0, 9.0], [420.0, 6.0]],
+                                   recent_arrival_rate=2.0)
+    known, note = queued_mix(PoolLoad(queued_450), seen)
+    assert (known.mean_output_tokens, known.arrival_rate) == (6.0, 2.0)
+    assert "answers of 6 as a past window's of such prompts (the window's 80)" in note
+    assert "2.0 requests/s over the last seconds (the window's 4.0)" in note
+    unseen = msgspec.structs.replace(chat, past_mixes=[[80.0, 80.0], [300.0, 5.0], [700.0, 9.0]])  # 1.5x off and more
+    assert queued_mix(PoolLoad(queued_450), unseen)[0].mean_output_tokens == 80
+    assert queued_mix(PoolLoad(queued_450), unseen)[0].arrival_rate == 4.0  # no recent rate reported: the window's
+    # at three times the rate, 80-token answers would need a second decode worker; 6-token ones do not
+    busy, busy_seen = (msgspec.structs.replace(t, arrival_rate=12.0, recent_arrival_rate=12.0) for t in (chat, seen))
     backlog = {"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}
     assumed = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill=backlog), busy, COST)
-    short_answers = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill=backlog), busy_remembered, COST)
+    short_answers = decide(NOW, cfg(), PlannerState(), layout(2, 6, 0, prefill=backlog), busy_seen, COST)
     assert short_answers.target.pools[DECODE] == 1 < assumed.target.pools[DECODE], (short_answers.reason,
                                                                                      assumed.reason)
-    assert "answers of 5 as such prompts had" in short_answers.reason
+    assert "answers of 6 as a past window's of such prompts" in short_answers.reason
 
 
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():

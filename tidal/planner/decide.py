@@ -72,7 +72,6 @@ CAPACITY_STEPS = 10  # bisection steps in log2: about 1% precision
 # differs from the window's by this factor, either way
 QUEUED_SAMPLE = 20
 QUEUED_SHIFT = 1.5
-QUEUED_CLASS_COVER = 0.8  # of the queued prompts' deciles whose length class has remembered answers
 
 
 @dataclasses.dataclass
@@ -406,38 +405,48 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over
     the next 30 s while the prefill pool fell behind). The waiting prompts are the newest arrivals (first come,
     first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
-    the window's by QUEUED_SHIFT they are the mix, the deciles scaled alike, and their answers those that
-    requests with prompts of the scaled deciles' lengths had (`queued_answers`). The mean is rough: the tokens
-    count the rest of a prompt being prefilled in chunks (not a waiting request) and a retracted request's
-    generated tokens, and a request waiting for its grammar counts with no tokens."""
+    the window's by QUEUED_SHIFT they are the mix: the deciles scaled alike, the answers those of the past
+    window whose prompts were nearest theirs (`seen_answers`), and the rate the last seconds' (the window
+    straddles the shift). The mean is rough: the tokens count the rest of a prompt being prefilled in chunks
+    (not a waiting request) and a retracted request's generated tokens, and a request waiting for its grammar
+    counts with no tokens."""
     waiting = load.waiting[PREFILL] + load.waiting[NULL]
     queued = load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
     if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
         return traffic, ""
-    ratio = queued / waiting / traffic.mean_input_tokens
+    prompt = queued / waiting
+    ratio = prompt / traffic.mean_input_tokens
     if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
         return traffic, ""
-    deciles = [max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]
-    note = (f"; prompts of {queued / waiting:.0f} tokens as queued ({waiting} waiting; "
+    note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
-    answers = queued_answers(deciles, traffic.answer_by_prompt_class)
+    answers = seen_answers(prompt, traffic.past_mixes)
     if answers is None:
         answers = traffic.mean_output_tokens
     else:
-        note += f", answers of {answers:.0f} as such prompts had (the window's {traffic.mean_output_tokens:.0f})"
-    return msgspec.structs.replace(traffic, mean_input_tokens=queued / waiting, input_tokens_deciles=deciles,
-                                   mean_output_tokens=answers), note
+        note += (f", answers of {answers:.0f} as a past window's of such prompts "
+                 f"(the window's {traffic.mean_output_tokens:.0f})")
+    rate = traffic.recent_arrival_rate or traffic.arrival_rate
+    if rate != traffic.arrival_rate:
+        note += f", {rate:.1f} requests/s over the last seconds (the window's {traffic.arrival_rate:.1f})"
+    return msgspec.structs.replace(
+        traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
+        input_tokens_deciles=[max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]), note
 
 
-def queued_answers(deciles: list[int], answer_by_class: dict[int, float]) -> Optional[float]:
-    """The mean answer of prompts of these lengths (deciles), from the answers remembered by prompt length class:
-    a mix's kinds of request differ in both (code completion, long prompts and short answers; chat, the
-    reverse), and the queued requests' answers are not known before they end. None unless at least
-    QUEUED_CLASS_COVER of the deciles fall in a class remembered."""
-    known = [answer_by_class[n.bit_length()] for n in deciles if n.bit_length() in answer_by_class]
-    if not deciles or len(known) < QUEUED_CLASS_COVER * len(deciles):
-        return None
-    return sum(known) / len(known)
+def seen_answers(prompt: float, past_mixes: list[list[float]]) -> Optional[float]:
+    """The mean answer of the past window whose mean prompt was nearest `prompt` (by ratio; the newest among
+    equals), if within QUEUED_SHIFT of it; None if none is. A mix's kinds of request differ in both lengths
+    (code completion: long prompts, short answers; chat: the reverse), and queued requests' answers are not
+    known before they end."""
+    best = None
+    for seen_prompt, answer in past_mixes:
+        if seen_prompt <= 0:
+            continue
+        off = abs(math.log(prompt / seen_prompt))
+        if off < math.log(QUEUED_SHIFT) and (best is None or off < best[0]):
+            best = (off, answer)
+    return None if best is None else best[1]
 
 
 def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = None,

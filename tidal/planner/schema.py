@@ -41,10 +41,13 @@ class Traffic(msgspec.Struct, kw_only=True):
     # burst queue for prefill together; an answer's decode averages over its many steps
     prefill_peak_ratio: float = 1.0
     completed: int = 0
-    # the mean answer of the last requests whose prompts were of each length class (key: the prompt's bit length,
-    # so a class spans a factor of 2), over classes with enough of them; kept across shifts of the mix. What the
-    # planner takes for the answers of prompts it sees queued and the window has not (decide.queued_mix)
-    answer_by_prompt_class: dict[int, float] = {}
+    # arrivals a second over the last ANSWER_COHORT_S (10) seconds: the newest mix's rate, where the window straddles
+    # a shift (decide.queued_mix)
+    recent_arrival_rate: float = 0.0
+    # the mixes of past windows, newest first: [mean prompt, mean answer] of a window's finished requests, one per
+    # window length, kept across shifts of the mix. The planner takes the nearest in prompt length for the answers of
+    # prompts it sees queued and the window has not seen finish (decide.queued_mix)
+    past_mixes: list[list[float]] = []
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
     ttft_s: dict[str, float] = {}
     tpot_s: dict[str, float] = {}

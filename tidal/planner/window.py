@@ -11,8 +11,8 @@ Server-Timing header), else it gives lengths only. A stream without token counts
 without `usage`) gives its answer's length as its events and no prompt length (0: left out of
 the prompt statistics). While a request is open, its `InFlight` ticket holds the answer tokens
 streamed so far: a lower bound of its length, which keeps the mean answer over the router's
-first window, and at a turn to longer answers, from counting only the quickest requests. The
-answers are also remembered by the prompt's length class, across shifts of the mix: what the
+first window, and at a turn to longer answers, from counting only the quickest requests. Each
+window's mix (mean prompt and answer) is kept for an hour, across shifts of the mix: what the
 planner takes for the answers of queued prompts it has not seen finish.
 """
 
@@ -51,9 +51,8 @@ ANSWER_SHIFT = 1.5
 # after the first window, the requests that arrived in the last this many seconds are the cohort (a new mix
 # shows in the newest arrivals first)
 ANSWER_COHORT_S = 10.0
-# the answers remembered per class of prompt length (Traffic.answer_by_prompt_class), and how many a class needs
-ANSWER_MEMORY = 4096
-MIN_CLASS_SAMPLES = 20
+# windows' mixes remembered (Traffic.past_mixes): an hour of 30-s windows
+MIX_MEMORY = 120
 
 
 class InFlight:
@@ -192,8 +191,8 @@ class TrafficWindow:
         # the open requests' tickets; a ticket its caller drops (a failed or cancelled request) leaves by itself
         self.open: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.mix_shifts = 0
-        # the last ANSWER_MEMORY answers per prompt length class (bit length), across shifts of the mix
-        self.answers_by_class: dict[int, collections.deque[int]] = {}
+        # (at, mean prompt, mean answer) of past windows' finished requests, one per window length
+        self.past_mixes: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=MIX_MEMORY)
 
     def arrival(self, now: float, requests: int = 1) -> Optional[InFlight]:
         """Counts `requests` arrivals (one body may carry several). For a single request, a ticket for its
@@ -231,10 +230,6 @@ class TrafficWindow:
         self.completions.extend([(now, obs)] * requests)
         if obs.completion_tokens > 0:
             self.length_history.extend([(now, obs.prompt_tokens, obs.completion_tokens, obs.arrived_at)] * requests)
-            if obs.prompt_tokens > 0:
-                memory = self.answers_by_class.setdefault(obs.prompt_tokens.bit_length(),
-                                                          collections.deque(maxlen=ANSWER_MEMORY))
-                memory.extend([obs.completion_tokens] * min(requests, ANSWER_MEMORY))
 
     def _trim(self, now: float) -> None:
         edge = now - self.window_s
@@ -290,10 +285,25 @@ class TrafficWindow:
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),
-                       answer_by_prompt_class={k: _mean(list(v)) for k, v in self.answers_by_class.items()
-                                               if len(v) >= MIN_CLASS_SAMPLES},
+                       recent_arrival_rate=self._recent_rate(now),
+                       past_mixes=self._remember_mix(now, done),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
+
+    def _recent_rate(self, now: float) -> float:
+        edge = now - ANSWER_COHORT_S
+        recent = len(self.arrivals) - bisect.bisect_right(self.arrivals, edge)
+        return recent / max(1.0, min(ANSWER_COHORT_S, now - self.started_at))
+
+    def _remember_mix(self, now: float, done: list[Observation]) -> list[list[float]]:
+        """Keeps the window's mix (its finished requests' mean prompt and answer, when MIN_LENGTH_SAMPLES of them
+        report both) once per window length; returns the mixes kept, newest first."""
+        pairs = [(o.prompt_tokens, o.completion_tokens) for o in done
+                 if o.prompt_tokens > 0 and o.completion_tokens > 0]
+        last = self.past_mixes[-1][0] if self.past_mixes else float("-inf")
+        if len(pairs) >= MIN_LENGTH_SAMPLES and now - last >= self.window_s:
+            self.past_mixes.append((now, _mean([p for p, _ in pairs]), _mean([c for _, c in pairs])))
+        return [[prompt, answer] for _, prompt, answer in reversed(self.past_mixes)]
 
     def _mean_answer(self, now: float, finished_mean: float) -> float:
         """The mean answer: `finished_mean` (the requests that finished), or that of a cohort of arrivals, those
@@ -303,10 +313,11 @@ class TrafficWindow:
         (the mix turned to longer answers).
         The answers that finish first are the shortest: early on, 64 instances on the conversation trace saw
         29 tokens at t = 5 s against ~60, and at a turn to longer answers the finished requests keep the old
-        mix's until the new ones end (a synthetic turn from 5- to 62-token answers: 5, 7, 12, 23, 37 tokens
-        at 5, 10, 15, 20 and 25 s). In a steady mix a window's completions are a fair sample (each length
-        finishes at the rate it arrives), and the arrivals' mean on every window lost on 4 of 11 simulated
-        runs and gained on 2 (docs/elasticity-log.md)."""
+        mix's until the new ones end (a synthetic turn from 5- to 62-token answers: 5, 7, 12 and 23 tokens at 5,
+        10, 15 and 20 s after it, where the last 10 s's cohort says 18, 55, 60 and 66). In a steady mix a
+        window's completions are a fair sample (each length finishes at the rate it arrives), and the
+        arrivals' mean on every window lost on 4 of 11 simulated runs and gained on 2 (docs/elasticity-log.md),
+        hence the ANSWER_SHIFT test."""
         first = now - self.started_at < self.window_s
         edge = now - (self.window_s if first else ANSWER_COHORT_S)
         finished = [o.completion_tokens for _, o in self.completions
