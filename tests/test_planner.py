@@ -366,7 +366,7 @@ def test_past_windows_mixes_are_remembered_across_shifts_and_the_last_seconds_ra
     for k in range(MIN_LENGTH_SAMPLES):  # a new mix, 15x the answers: the history restarts, the past mixes stay
         w.completion(45.0 + k * 0.1, Observation(path="pd", prompt_tokens=60, completion_tokens=75))
     assert w.traffic(55.0).past_mixes == [[60.0, 75.0], [410.0, 5.0]] and w.mix_shifts == 1
-    assert w.traffic(70.0).past_mixes == [[60.0, 75.0], [410.0, 5.0]]  # too few finished in this window
+    assert w.traffic(70.0).past_mixes == [[60.0, 75.0], [410.0, 5.0]]  # 15 s after the last: none new
     for t in range(MIX_MEMORY + 5):
         for k in range(MIN_LENGTH_SAMPLES):
             w.completion(100.0 + 30 * t, Observation(path="pd", prompt_tokens=60, completion_tokens=75))
