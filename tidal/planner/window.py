@@ -264,9 +264,9 @@ class TrafficWindow:
 
     def traffic(self, now: float) -> Traffic:
         self._trim(now)
-        span = max(1.0, min(self.window_s, now - self.started_at))
         done = [o for _, o in self.completions]
-        lengths = [(o.prompt_tokens, o.completion_tokens) for o in done if o.completion_tokens > 0]
+        own = [(o.prompt_tokens, o.completion_tokens) for o in done if o.completion_tokens > 0]
+        lengths = own
         if len(lengths) < MIN_LENGTH_SAMPLES and len(self.length_history) > len(lengths):
             lengths = [(p, c) for _, p, c, _ in itertools.islice(reversed(self.length_history), MIN_LENGTH_SAMPLES)]
         ttft: dict[str, list[float]] = {}
@@ -276,7 +276,7 @@ class TrafficWindow:
                 ttft.setdefault(o.path, []).append(o.ttft_s)
             if o.tpot_s is not None:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
-        rate = len(self.arrivals) / span
+        rate = self._rate(now, self.window_s)
         prompts = [p for p, _ in lengths if p > 0]  # 0: not reported (an OpenAI stream without usage)
         return Traffic(arrival_rate=rate,
                        mean_input_tokens=_mean(prompts),
@@ -285,21 +285,20 @@ class TrafficWindow:
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
                        completed=len(done),
-                       recent_arrival_rate=self._recent_rate(now),
-                       past_mixes=self._remember_mix(now, done),
+                       recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
+                       past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
 
-    def _recent_rate(self, now: float) -> float:
-        edge = now - ANSWER_COHORT_S
-        recent = len(self.arrivals) - bisect.bisect_right(self.arrivals, edge)
-        return recent / max(1.0, min(ANSWER_COHORT_S, now - self.started_at))
+    def _rate(self, now: float, span_s: float) -> float:
+        """Arrivals a second over the last `span_s` seconds (at most the window; over the router's first seconds,
+        over them)."""
+        recent = len(self.arrivals) - bisect.bisect_right(self.arrivals, now - span_s)
+        return recent / max(1.0, min(span_s, now - self.started_at))
 
-    def _remember_mix(self, now: float, done: list[Observation]) -> list[list[float]]:
-        """Keeps the window's mix (its finished requests' mean prompt and answer, when MIN_LENGTH_SAMPLES of them
-        report both) once per window length; returns the mixes kept, newest first."""
-        pairs = [(o.prompt_tokens, o.completion_tokens) for o in done
-                 if o.prompt_tokens > 0 and o.completion_tokens > 0]
+    def _remember_mix(self, now: float, pairs: list[tuple[int, int]]) -> list[list[float]]:
+        """Keeps the window's mix (the mean prompt and answer of its finished requests that report both, when
+        MIN_LENGTH_SAMPLES do) once per window length; returns the mixes kept, newest first."""
         last = self.past_mixes[-1][0] if self.past_mixes else float("-inf")
         if len(pairs) >= MIN_LENGTH_SAMPLES and now - last >= self.window_s:
             self.past_mixes.append((now, _mean([p for p, _ in pairs]), _mean([c for _, c in pairs])))
