@@ -351,6 +351,43 @@ def test_a_turn_to_longer_answers_shows_in_the_newest_arrivals_before_they_finis
     assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5)
 
 
+def test_the_first_windows_prompts_are_those_the_workers_received_not_the_first_to_finish():
+    """Over the router's first window the mean prompt is that of the requests the prefill and null workers counted
+    as they arrived (differences of their counters between snapshots), the finished requests' deciles scaled to it:
+    the short prompts finish first. Not counted: a decode worker's (a PD request reaches both), a worker's across a
+    move or a restart; fewer than MIN_RECEIVED_SAMPLES, or a worker that does not count, leave the finished mean,
+    as does the end of the first window (the answers are the finished requests' then)."""
+    from tidal.planner.received import MIN_RECEIVED_SAMPLES
+
+    def counts(mode: str, url: str, prompts: int, tokens: int) -> WorkerLoad:
+        return WorkerLoad(url=url, mode=mode, prompts_received=prompts, prompt_tokens_received=tokens)
+
+    before = [counts(PREFILL, "p0", 500, 90_000), counts(NULL, "n0", 0, 0), counts(DECODE, "d0", 500, 90_000)]
+
+    def mean_prompt(after: list[WorkerLoad]) -> tuple[float, TrafficWindow]:
+        w = TrafficWindow(window_s=30.0, started_at=0.0, burst_window_s=300.0)
+        for k in range(30):  # the short prompts, finished first
+            w.completion(8.0, Observation(path="pd", prompt_tokens=100 + k % 3, completion_tokens=20, arrived_at=6.0),
+                         w.arrival(6.0))
+        assert w.traffic(5.0, before).mean_input_tokens == pytest.approx(101)  # the first snapshot: a baseline
+        return w.traffic(10.0, after).mean_input_tokens, w
+
+    p0 = counts(PREFILL, "p0", 540, 90_000 + 40 * 300)  # 40 prompts of 300 tokens
+    n0 = counts(NULL, "n0", 20, 20 * 200)  # 20 of 200
+    d0 = counts(DECODE, "d0", 540, 90_000 + 40 * 9999)
+    both, w = mean_prompt([p0, n0, d0])
+    assert both == pytest.approx((40 * 300 + 20 * 200) / 60) and MIN_RECEIVED_SAMPLES == 20
+    t = w.traffic(12.0)  # no snapshot (/planner/status): the last ones
+    assert t.mean_input_tokens == pytest.approx(both) and t.input_tokens_deciles[0] == round(100 * both / 101)
+    assert w.traffic(14.0, [p0, n0, d0]).mean_input_tokens == pytest.approx(both)  # none since: the window's
+    assert w.traffic(30.0, [p0, n0, d0]).mean_input_tokens == pytest.approx(101)  # the first window is over
+    assert mean_prompt([msgspec.structs.replace(p0, mode=NULL), n0, d0])[0] == pytest.approx(200)  # moved
+    assert mean_prompt([counts(PREFILL, "p0", 5, 1500), n0, d0])[0] == pytest.approx(200)  # restarted
+    assert mean_prompt([counts(PREFILL, "p0", -1, -1), n0, d0])[0] == pytest.approx(101)  # does not count
+    assert mean_prompt([counts(PREFILL, "p0", 500, 90_000), counts(NULL, "n0", 19, 19 * 200)])[0] \
+        == pytest.approx(101)  # too few
+
+
 def test_past_windows_mixes_are_remembered_across_shifts_and_the_last_seconds_rate_kept():
     """Traffic.past_mixes: a window's mean prompt and answer over its finished requests (MIN_LENGTH_SAMPLES or more
     reporting both), one per window length, newest first, at most MIX_MEMORY, kept when a shift of the mix restarts
@@ -808,7 +845,7 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     """After a chat phase the window's finished requests say 80-token prompts; 30 prompts of 450 tokens queue on the
     prefill workers (the new mix, waiting behind the backlog it causes): the planner heads for the prefill pool
     that mix needs, and says why. Fewer than QUEUED_SAMPLE waiting, or a queue of the window's mix, change nothing."""
-    from tidal.planner.decide import QUEUED_SAMPLE, queued_mix
+    from tidal.planner.queued import QUEUED_SAMPLE, queued_mix
     from tidal.planner.predict import PoolLoad
 
     chat = Traffic(arrival_rate=4.0, mean_input_tokens=80, mean_output_tokens=80,
@@ -855,6 +892,26 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     assert short_answers.target.pools[DECODE] == 1 < assumed.target.pools[DECODE], (short_answers.reason,
                                                                                      assumed.reason)
     assert "answers of 6 as a past window's of such prompts" in short_answers.reason
+
+
+def test_the_queued_prompts_are_the_waiting_requests_own_where_every_worker_reports_them():
+    """A server reports its waiting requests' whole prompts (`num_waiting_prompt_tokens`): their mean is the queued
+    prompt, whatever is left of a prompt being prefilled in chunks. Where a prefill or null worker does not
+    report them (-1: another server), the tokens queued for prefill stand in."""
+    from tidal.planner.queued import queued_mix
+    from tidal.planner.predict import PoolLoad
+
+    chat = Traffic(arrival_rate=4.0, mean_input_tokens=80, mean_output_tokens=80)
+    # 10 waiting 90-token prompts a worker, behind a 4000-token prompt half prefilled
+    chunked = {"queued_prefill_tokens": 10 * 90 + 2000, "waiting_reqs": 10}
+    rough = layout(2, 6, 0, prefill=chunked)
+    assert queued_mix(PoolLoad(rough), chat)[0].mean_input_tokens == 290  # a new mix, wrongly
+    own = layout(2, 6, 0, prefill={**chunked, "waiting_prompt_tokens": 10 * 90})
+    assert queued_mix(PoolLoad(own), chat) == (chat, "")  # the window's mix
+    longer = layout(2, 6, 0, prefill={**chunked, "waiting_prompt_tokens": 10 * 450})
+    assert queued_mix(PoolLoad(longer), chat)[0].mean_input_tokens == 450
+    one_unknown = longer[:1] + layout(1, 6, 0, prefill=chunked)
+    assert queued_mix(PoolLoad(one_unknown), chat)[0].mean_input_tokens == 290
 
 
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():

@@ -74,6 +74,24 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
     assert 'tidal_router:planner_decisions_total{kind="hold"}' in metrics
 
 
+def test_advise_reports_the_move_it_would_make_and_moves_nothing(workers, tmp_path):
+    """--planner advise: the same decisions as sla, each move reported (kind "advise": status, metrics, log)
+    and not started, round after round."""
+    workers["p1"].load = dict(STARVED)
+    with router(workers, tmp_path, mode="advise") as r:
+        send_traffic(r)
+        wait_for(lambda: sum(d.kind == "advise" for d in r.state.planner.decisions) >= 2, 10, "two advised moves")
+        status = httpx.get(r.url + "/planner/status").json()
+        metrics = httpx.get(r.url + "/metrics").text
+        assert len(r.state.registry.pool("prefill")) == 1 and len(r.state.registry.pool("decode")) == 2
+    assert sum(w.switches for w in workers.values()) == 0
+    advised = [d for d in status["decisions"] if d["kind"] == "advise"]
+    assert status["mode"] == "advise" and advised[0]["src"] == "decode" and advised[0]["dst"] == "prefill"
+    assert advised[0]["reason"].endswith("->prefill") and advised[0]["outcome"] == ""
+    assert 'tidal_router:planner_decisions_total{kind="advise"}' in metrics
+    assert "tidal_router:planner_moves_total{" not in metrics
+
+
 def test_a_walk_of_two_moves_does_not_wait_an_interval_between_them(tmp_path):
     """One move at a time and a 4-s interval: the second move toward 3P:1D starts as the first lands."""
     ws = {name: MockWorker(role, name).start() for name, role in

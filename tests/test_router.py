@@ -337,7 +337,8 @@ def test_add_remove_workers_and_health(m):
 
 
 def test_passthrough_routes(m):
-    m["d1"].load = {"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 40}
+    m["d1"].load = {"num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 40, "num_decoding_reqs": 2,
+                    "num_waiting_prompt_tokens": 30}
     m["p1"].load = {"num_reqs": 2, "num_waiting_reqs": 0, "num_tokens": 10}
     with pd(m) as r:
         assert httpx.get(r.url + "/v1/models").json()["data"][0]["id"] == "mock-model"
@@ -346,6 +347,11 @@ def test_passthrough_routes(m):
         assert {w["server_info"]["name"] for w in info["workers"]} == {"p1", "d1"}
         load = httpx.get(r.url + "/get_load").json()
         assert load[0]["num_reqs"] == 5 and load[0]["num_tokens"] == 50 and len(load[0]["workers"]) == 2
+        # what the planner reads of each worker: a field the worker does not report stays absent, not 0
+        per_worker = {w["url"]: w["load"] for w in load[0]["workers"]}
+        assert (per_worker[m["d1"].url]["num_decoding_reqs"], per_worker[m["d1"].url]["num_waiting_prompt_tokens"]) \
+            == (2, 30)
+        assert "num_decoding_reqs" not in per_worker[m["p1"].url] and per_worker[m["p1"].url]["num_waiting_reqs"] == 0
         flush = httpx.post(r.url + "/flush_cache").json()
         assert flush["success"] and m["p1"].flushes == 1 and m["d1"].flushes == 1
         assert httpx.get(r.url + "/health_generate").status_code == 200

@@ -152,8 +152,9 @@ def test_health_info_and_models(url):
     assert [m.id for m in models.data] == ["SmolLM2-135M-Instruct.Q4_1.gguf"]
     load = httpx.get(url + "/get_load").json()
     assert set(load[0]) >= {"num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens", "num_decoding_reqs",
-                            "max_total_tokens"}
+                            "num_waiting_prompt_tokens", "max_total_tokens"}
     assert load[0]["max_total_tokens"] > 0 and load[0]["num_queued_prefill_tokens"] == 0
+    assert load[0]["num_waiting_prompt_tokens"] == 0
 
 
 def test_metrics(url):

@@ -303,6 +303,15 @@ def test_static_planner_never_moves(tmp_path):
     assert d["moves"] == [] and len(d["pools"]) == 1
 
 
+def test_an_advising_planner_decides_as_sla_and_never_moves(tmp_path):
+    """The code-like phase where the sla planner moves a decode worker to prefill: advise counts the move it would
+    make, and makes none."""
+    d = sim_json(tmp_path, "advise", "--instances", "8", "--workload", "shift", "--phase-s", "240", "--rate-scale",
+                 "4", "--duration-s", "240", "--length-scale", "0.25", "--planner", "advise",
+                 "--planner-cooldown-s", "10", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
+    assert d["moves"] == [] and len(d["pools"]) == 1 and d["decisions"].get("advise", 0) > 0
+
+
 # ---------------------------------------------------------------- workloads
 
 

@@ -15,8 +15,8 @@ would stop the walk short where the remaining gain is smaller), up to `max_concu
 rather than at today's latency keeps headroom for bursts and makes the target depend on the
 mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
 small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score. The prompt
-lengths are the window's, or the queued prompts' when at least QUEUED_SAMPLE wait and they are another mix
-(`queued_mix`: the window learns a length only when its request finishes).
+lengths are the window's, or the queued prompts' when enough wait and they are another mix
+(`queued.queued_mix`: the window learns a length only when its request finishes).
 When no layout meets today's rate and the heading layout's decode side meets the TPOT SLO at it,
 only layouts whose decode side also meets it are ranked (`meets_tpot`): a prefill backlog drains,
 while a decode pool too small for today's rate makes every request it serves miss.
@@ -44,6 +44,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from tidal.planner.predict import CostPredictor, ObservedPredictor, PoolLoad
+from tidal.planner.queued import queued_mix
 from tidal.planner.schema import (
     DECODE,
     MODES,
@@ -68,10 +69,6 @@ NEAR_TIE = 0.02  # layouts within this fraction of the best capacity (or score) 
 NEAR_BEST = 0.05
 CAPACITY_LOG2 = (-6.0, 12.0)  # capacity is searched between 1/64 and 4096 times the rate
 CAPACITY_STEPS = 10  # bisection steps in log2: about 1% precision
-# the prompts waiting for prefill stand for the mix (`queued_mix`) when at least this many wait and their mean
-# differs from the window's by this factor, either way
-QUEUED_SAMPLE = 20
-QUEUED_SHIFT = 1.5
 
 
 @dataclasses.dataclass
@@ -398,57 +395,6 @@ def toward(target: Prediction, heading: dict[str, int], legal: list[Candidate]) 
     return out
 
 
-def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
-    """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
-    are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
-    when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
-    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over
-    the next 30 s while the prefill pool fell behind). The waiting prompts are the newest arrivals (first come,
-    first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
-    the window's by QUEUED_SHIFT they are the mix: the deciles scaled alike, the answers those of the past
-    window whose prompts were nearest theirs (`seen_answers`), and the rate the last seconds' (the window
-    straddles the shift). The mean is rough: the tokens count the rest of a prompt being prefilled in chunks
-    (not a waiting request) and a retracted request's generated tokens, and a request waiting for its grammar
-    counts with no tokens."""
-    waiting = load.waiting[PREFILL] + load.waiting[NULL]
-    queued = load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
-    if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
-        return traffic, ""
-    prompt = queued / waiting
-    ratio = prompt / traffic.mean_input_tokens
-    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
-        return traffic, ""
-    note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
-            f"the window's {traffic.mean_input_tokens:.0f})")
-    answers = seen_answers(prompt, traffic.past_mixes)
-    if answers is None:
-        answers = traffic.mean_output_tokens
-    else:
-        note += (f", answers of {answers:.0f} as a past window's of such prompts "
-                 f"(the window's {traffic.mean_output_tokens:.0f})")
-    rate = traffic.recent_arrival_rate or traffic.arrival_rate
-    if rate != traffic.arrival_rate:
-        note += f", {rate:.1f} requests/s over the last seconds (the window's {traffic.arrival_rate:.1f})"
-    return msgspec.structs.replace(
-        traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
-        input_tokens_deciles=[max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]), note
-
-
-def seen_answers(prompt: float, past_mixes: list[list[float]]) -> Optional[float]:
-    """The mean answer of the past window whose mean prompt was nearest `prompt` (by ratio; the newest among
-    equals), if within QUEUED_SHIFT of it; None if none is. A mix's kinds of request differ in both lengths
-    (code completion: long prompts, short answers; chat: the reverse), and queued requests' answers are not
-    known before they end."""
-    best = None
-    for seen_prompt, answer in past_mixes:
-        if seen_prompt <= 0:
-            continue
-        off = abs(math.log(prompt / seen_prompt))
-        if off < math.log(QUEUED_SHIFT) and (best is None or off < best[0]):
-            best = (off, answer)
-    return None if best is None else best[1]
-
-
 def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = None,
           cands: Optional[list[Candidate]] = None, best: Optional[Candidate] = None,
           target: Optional[Prediction] = None) -> Decision:
@@ -459,7 +405,7 @@ def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = Non
 def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad], traffic: Traffic,
            cost: Any = None) -> Decision:
     """The decision for this interval. `loads`: the workers in a pool now (healthy, not switching)."""
-    if cfg.mode != "sla":
+    if cfg.mode == "static":
         return _hold(now, "static", "planner is static")
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
     pools = pool_counts(loads)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.planner.decide import MEETS_TODAY_GAIN
-from tidal.planner.schema import PlannerConfig
+from tidal.planner.schema import PLANNER_MODES, PlannerConfig
 
 # (flag, namespace attribute) of every planner flag that takes a value, for the pass-through
 VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--tpot-slo-ms", "tpot_slo_ms"),
@@ -25,9 +25,10 @@ PROFILE_HELP = ("a `tidal profile` JSON: predict with its cost model (default: n
 def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFILE_HELP) -> None:
     d = PlannerConfig()
     g = parser.add_argument_group("planner (moves workers between the prefill, decode and null pools)")
-    g.add_argument("--planner", choices=("static", "sla"), default=d.mode,
-                   help=f"static: the pools stay as given; sla: move workers toward the TTFT/TPOT SLOs "
-                        f"(default: {d.mode})")
+    g.add_argument("--planner", choices=PLANNER_MODES, default=d.mode,
+                   help=f"static: the pools stay as given; sla: move workers toward the TTFT/TPOT SLOs; advise: "
+                        f"decide as sla and report each move it would make (log, /planner/status, metrics) "
+                        f"without making it (default: {d.mode})")
     g.add_argument("--ttft-slo-ms", type=float, default=d.ttft_slo_s * 1000,
                    help=f"time-to-first-token SLO the planner aims for (default: {d.ttft_slo_s * 1000:g})")
     g.add_argument("--tpot-slo-ms", type=float, default=d.tpot_slo_s * 1000,

@@ -33,7 +33,10 @@ def worker_load(w: Worker) -> WorkerLoad:
     return WorkerLoad(url=w.url, mode=w.mode, running_reqs=max(0, total - waiting), waiting_reqs=waiting,
                       queued_prefill_tokens=load.get("num_queued_prefill_tokens", 0),
                       kv_tokens_used=load.get("num_tokens", 0), kv_tokens_total=load.get("max_total_tokens", 0),
-                      in_flight=w.in_flight, decoding_reqs=load.get("num_decoding_reqs", -1))
+                      in_flight=w.in_flight, decoding_reqs=load.get("num_decoding_reqs", -1),
+                      waiting_prompt_tokens=load.get("num_waiting_prompt_tokens", -1),
+                      prompts_received=load.get("prompts_received_total", -1),
+                      prompt_tokens_received=load.get("prompt_tokens_received_total", -1))
 
 
 def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:
@@ -83,7 +86,7 @@ class PlannerLoop:
     # ------------------------------------------------------------ lifecycle
 
     def start(self) -> None:
-        if self.cfg.mode == "sla" and self._task is None:
+        if self.cfg.mode != "static" and self._task is None:
             self._task = asyncio.get_running_loop().create_task(self._loop())
 
     async def stop(self) -> None:
@@ -122,9 +125,11 @@ class PlannerLoop:
         await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
         now = self.clock()
         self.last_loads = pool_loads(registry)
-        traffic = self.window.traffic(now)
+        traffic = self.window.traffic(now, self.last_loads)
         while True:
             d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
+            if d.kind == "move" and self.cfg.mode == "advise":
+                d.kind = "advise"  # reported, not started: the next round decides from the same pools
             self.last = d
             self.decisions.append(d)
             self._record(d, traffic)

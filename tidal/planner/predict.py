@@ -93,12 +93,17 @@ class PoolLoad:
         self.count = {m: 0 for m in (PREFILL, DECODE, NULL)}
         self.queued_prefill_tokens = dict.fromkeys(self.count, 0)
         self.waiting = dict.fromkeys(self.count, 0)
+        # the waiting requests' whole prompts; None where a worker of the mode does not report them
+        self.waiting_prompt_tokens: dict[str, Optional[int]] = dict.fromkeys(self.count, 0)
         self.running = dict.fromkeys(self.count, 0)
         self.kv_tokens_total = 0
         for w in loads:
             self.count[w.mode] += 1
             self.queued_prefill_tokens[w.mode] += w.queued_prefill_tokens
             self.waiting[w.mode] += w.waiting_reqs
+            known = self.waiting_prompt_tokens[w.mode]
+            self.waiting_prompt_tokens[w.mode] = (None if known is None or w.waiting_prompt_tokens < 0
+                                                  else known + w.waiting_prompt_tokens)
             # a decode server's PD requests waiting for their KV hold memory but are not in its batch
             self.running[w.mode] += w.decoding_reqs if w.decoding_reqs >= 0 else w.running_reqs
             self.kv_tokens_total = max(self.kv_tokens_total, w.kv_tokens_total)

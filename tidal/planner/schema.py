@@ -9,6 +9,7 @@ import msgspec
 PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (NULL, PREFILL, DECODE)
 PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
+PLANNER_MODES = ("static", "sla", "advise")
 
 
 class WorkerLoad(msgspec.Struct, kw_only=True):
@@ -22,6 +23,10 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     kv_tokens_total: int = 0
     in_flight: int = 0  # requests this router has open on it
     decoding_reqs: int = -1  # requests in its running batch (-1: not reported; running_reqs stands in)
+    waiting_prompt_tokens: int = -1  # the whole prompts of its waiting_reqs (-1: not reported)
+    # since the worker started: requests it accepted and their prompts' tokens, counted on arrival (-1: not reported)
+    prompts_received: int = -1
+    prompt_tokens_received: int = -1
 
     @property
     def kv_usage(self) -> float:
@@ -42,11 +47,11 @@ class Traffic(msgspec.Struct, kw_only=True):
     prefill_peak_ratio: float = 1.0
     completed: int = 0
     # arrivals a second over the last ANSWER_COHORT_S (10) seconds: the newest mix's rate, where the window straddles
-    # a shift (decide.queued_mix)
+    # a shift (queued.queued_mix)
     recent_arrival_rate: float = 0.0
     # the mixes of past windows, newest first: [mean prompt, mean answer] of a window's finished requests, one per
     # window length, kept across shifts of the mix. The planner takes the nearest in prompt length for the answers of
-    # prompts it sees queued and the window has not seen finish (decide.queued_mix)
+    # prompts it sees queued and the window has not seen finish (queued.queued_mix)
     past_mixes: list[list[float]] = []
     # observed latencies by path (PD_PATH, NULL_PATH), seconds; absent: no streamed request finished
     ttft_s: dict[str, float] = {}
@@ -81,7 +86,7 @@ class Candidate(msgspec.Struct, kw_only=True):
 
 class Decision(msgspec.Struct, kw_only=True):
     at: float  # the planner clock (seconds)
-    kind: str  # "move" or "hold"
+    kind: str  # "move", "hold", or "advise" (a move --planner advise would start, not started)
     reason: str
     # a hold's cause, stable for counting: static, no_observations, no_arrivals, no_lengths, no_layout,
     # gain_too_small, moves_in_flight, no_legal_move ("" for a move)
@@ -97,7 +102,9 @@ class Decision(msgspec.Struct, kw_only=True):
 
 
 class PlannerConfig(msgspec.Struct, kw_only=True):
-    mode: str = "static"  # "static": never moves; "sla": moves toward the SLOs
+    # "static": never moves; "sla": moves toward the SLOs; "advise": decides as sla, and reports each move it would
+    # start (a decision of kind "advise") without starting it
+    mode: str = "static"
     ttft_slo_s: float = 2.0
     tpot_slo_s: float = 0.1
     interval_s: float = 5.0
@@ -116,8 +123,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     backoff_max_s: float = 600.0
 
     def __post_init__(self) -> None:
-        if self.mode not in ("static", "sla"):
-            raise ValueError(f"--planner must be static or sla, got {self.mode!r}")
+        if self.mode not in PLANNER_MODES:
+            raise ValueError(f"--planner must be one of {', '.join(PLANNER_MODES)}, got {self.mode!r}")
         if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
             raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
         if self.interval_s <= 0 or self.window_s <= 0 or self.burst_window_s <= 0:

@@ -13,7 +13,9 @@ the prompt statistics). While a request is open, its `InFlight` ticket holds the
 streamed so far: a lower bound of its length, which keeps the mean answer over the router's
 first window, and at a turn to longer answers, from counting only the quickest requests. Each
 window's mix (mean prompt and answer) is kept for an hour, across shifts of the mix: what the
-planner takes for the answers of queued prompts it has not seen finish.
+planner takes for the answers of queued prompts it has not seen finish. Over the first window the
+mean prompt is that of the prompts the workers counted as they arrived, where they count them
+(`received.py`).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from tidal.planner.schema import Traffic
+from tidal.planner.received import ReceivedPrompts
+from tidal.planner.schema import Traffic, WorkerLoad
 from tidal.server_timing import mean_latencies, parse_server_timing
 
 MAX_TAIL_BYTES = 1 << 16  # of a stream: enough for its last event
@@ -193,6 +196,7 @@ class TrafficWindow:
         self.mix_shifts = 0
         # (at, mean prompt, mean answer) of past windows' finished requests, one per window length
         self.past_mixes: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=MIX_MEMORY)
+        self.received = ReceivedPrompts(window_s)
 
     def arrival(self, now: float, requests: int = 1) -> Optional[InFlight]:
         """Counts `requests` arrivals (one body may carry several). For a single request, a ticket for its
@@ -262,7 +266,10 @@ class TrafficWindow:
                 return True
         return False
 
-    def traffic(self, now: float) -> Traffic:
+    def traffic(self, now: float, loads: Optional[list[WorkerLoad]] = None) -> Traffic:
+        """The window's traffic; `loads`, the workers' snapshots just taken, add the prompts they received."""
+        if loads is not None:
+            self.received.observe(now, loads)
         self._trim(now)
         done = [o for _, o in self.completions]
         own = [(o.prompt_tokens, o.completion_tokens) for o in done if o.completion_tokens > 0]
@@ -278,9 +285,10 @@ class TrafficWindow:
                 tpot.setdefault(o.path, []).append(o.tpot_s)
         rate = self._rate(now, self.window_s)
         prompts = [p for p, _ in lengths if p > 0]  # 0: not reported (an OpenAI stream without usage)
+        mean_prompt, prompt_deciles = self._prompts(now, prompts)
         return Traffic(arrival_rate=rate,
-                       mean_input_tokens=_mean(prompts),
-                       input_tokens_deciles=deciles(prompts),
+                       mean_input_tokens=mean_prompt,
+                       input_tokens_deciles=prompt_deciles,
                        mean_output_tokens=self._mean_answer(now, _mean([c for _, c in lengths])),
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
@@ -289,6 +297,23 @@ class TrafficWindow:
                        past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
+
+    def _prompts(self, now: float, finished: list[int]) -> tuple[float, list[int]]:
+        """The mean prompt and its deciles: those of the `finished` requests' prompts, except over the router's
+        first window, where the mean is that of the prompts the workers received (`ReceivedPrompts`), the
+        finished deciles scaled to it. On a cluster filling up the short prompts finish first (64 workers on the
+        conversation trace: 216 tokens finished by t = 10 s, 258 arrived), and the mean answer is the
+        arrivals' too then (`_mean_answer`). Later the mean answer is the finished requests' unless the newest
+        arrivals say more, so the prompts are theirs too: one mix. A received mean past the first window
+        paired the new mix's prompts with the old mix's answers at a shift (a live run took 32-token prompts
+        with 4-token answers for a phase of 256-token answers, none finished yet, and moved a decode worker
+        away); at a shift the queued prompts stand for the mix, with a past window's answers
+        (`queued.queued_mix`)."""
+        mean = _mean(finished)
+        received = self.received.mean_prompt()
+        if received is None or mean <= 0 or now - self.started_at >= self.window_s:
+            return mean, deciles(finished)
+        return received, [max(1, round(x * received / mean)) for x in deciles(finished)]
 
     def _rate(self, now: float, span_s: float) -> float:
         """Arrivals a second over the last `span_s` seconds (at most the window; over the router's first seconds,

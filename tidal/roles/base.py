@@ -35,8 +35,8 @@ class Role(Protocol):
     def extra_live_reqs(self) -> list[Req]:
         """Requests holding memory in the role's own queues."""
 
-    def num_queued(self) -> int:
-        """Requests in the role's own queues (reported as waiting)."""
+    def queued_reqs(self) -> list[Req]:
+        """Requests in the role's own queues (reported as waiting); the queue itself, not to be changed."""
 
     def queued_prefill_tokens(self) -> int:
         """Prompt tokens in the role's own queues that this server will still prefill."""

@@ -175,8 +175,8 @@ class DecodeRole:
     def extra_live_reqs(self) -> list[Req]:
         return list(self.transfer_queue)
 
-    def num_queued(self) -> int:
-        return len(self.prealloc_queue)
+    def queued_reqs(self) -> list[Req]:
+        return self.prealloc_queue
 
     def queued_prefill_tokens(self) -> int:
         return 0  # their KV comes from a prefill server

@@ -45,8 +45,8 @@ class NullRole:
     def extra_live_reqs(self) -> list[Req]:
         return []
 
-    def num_queued(self) -> int:
-        return 0
+    def queued_reqs(self) -> list[Req]:
+        return []
 
     def queued_prefill_tokens(self) -> int:
         return 0

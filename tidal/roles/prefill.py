@@ -169,8 +169,8 @@ class PrefillRole:
     def extra_live_reqs(self) -> list[Req]:
         return list(self.inflight_queue)
 
-    def num_queued(self) -> int:
-        return len(self.bootstrap_queue)
+    def queued_reqs(self) -> list[Req]:
+        return self.bootstrap_queue
 
     def queued_prefill_tokens(self) -> int:
         return sum(len(r.origin_input_ids) for r in self.bootstrap_queue)

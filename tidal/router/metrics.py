@@ -25,8 +25,8 @@ class RouterMetrics:
                                wl, registry=r)
         self.planner_moves = Counter("tidal_router:planner_moves", "Role moves the planner started, by outcome",
                                      ["from", "to", "outcome"], registry=r)
-        self.planner_decisions = Counter("tidal_router:planner_decisions", "Planner decisions by kind (move, hold)",
-                                         ["kind"], registry=r)
+        self.planner_decisions = Counter("tidal_router:planner_decisions",
+                                         "Planner decisions by kind (move, hold, advise)", ["kind"], registry=r)
         pool = ["pool"]
         self.planner_predicted_ttft = Gauge("tidal_router:planner_predicted_ttft_seconds",
                                             "Planner's predicted TTFT of the current pools, by pool", pool, registry=r)

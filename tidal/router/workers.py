@@ -22,7 +22,10 @@ logger = logging.getLogger(__name__)
 PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (PREFILL, DECODE, NULL)
 DEFAULT_BOOTSTRAP_PORT = 8998
-LOAD_KEYS = ("num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens", "max_total_tokens")
+LOAD_KEYS = ("num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_tokens", "max_total_tokens",
+             "num_decoding_reqs", "num_waiting_prompt_tokens", "prompts_received_total", "prompt_tokens_received_total")
+# reported by tidal servers, not by every server the router may drive: absent, the planner falls back
+OPTIONAL_LOAD_KEYS = LOAD_KEYS[5:]
 
 
 def normalize_url(url: str) -> str:
@@ -47,18 +50,19 @@ def parse_bootstrap_port(value: str) -> Optional[int]:
 
 
 def sum_load(entries: Any) -> Optional[dict]:
-    """Sum a worker's `/get_load` answer (one entry per DP rank) into one dict."""
+    """Sum a worker's `/get_load` answer (one entry per DP rank) into one dict: every LOAD_KEYS key, 0 where no
+    rank reports it, except the planner's optional ones (OPTIONAL_LOAD_KEYS), which stay absent then."""
     if isinstance(entries, dict):
         entries = [entries]
     if not isinstance(entries, list):
         return None
-    total = {k: 0 for k in LOAD_KEYS}
+    total = {k: 0 for k in LOAD_KEYS if k not in OPTIONAL_LOAD_KEYS}
     for e in entries:
         if isinstance(e, dict):
             for k in LOAD_KEYS:
                 v = e.get(k)
                 if isinstance(v, (int, float)):
-                    total[k] += int(v)
+                    total[k] = total.get(k, 0) + int(v)
     return total
 
 

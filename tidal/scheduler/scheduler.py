@@ -143,6 +143,7 @@ class Scheduler:
             self._end_unrun(req, message, code)
             return
         self.lora.on_accepted(req)
+        self.stats.on_arrival(len(req.origin_input_ids))
         if req.is_embedding:
             self.waiting_queue.append(req)  # computed here in every role: a prefill, no KV transfer
             return
@@ -175,9 +176,12 @@ class Scheduler:
         req.finish(FinishReason(type="abort", message=message, status_code=status_code))
         self.emit(req)
 
-    def num_queued(self) -> int:
+    def queued_reqs(self) -> list[Req]:
         """Requests waiting for admission: the grammar queue, the waiting queue and the role's own queues."""
-        return len(self.grammars.waiting) + len(self.waiting_queue) + self.role.num_queued()
+        return [w.req for w in self.grammars.waiting] + self.waiting_queue + self.role.queued_reqs()
+
+    def num_queued(self) -> int:
+        return len(self.grammars.waiting) + len(self.waiting_queue) + len(self.role.queued_reqs())
 
     def _make_queue_room(self, req: Req) -> Optional[tuple[str, int]]:
         """None when `req` may queue (after displacing a queued request of lower priority if
@@ -468,11 +472,13 @@ class Scheduler:
         used = self.mem.used_tokens()
         total = self.mem.max_total_tokens
         s = self.stats
+        queued = self.queued_reqs()
         return StatsResp(
             call_id=call_id,
             num_running_reqs=len(self.live_reqs()),
             num_decoding_reqs=len(self.running),
-            num_waiting_reqs=self.num_queued(),
+            num_waiting_reqs=len(queued),
+            waiting_prompt_tokens=sum(len(r.origin_input_ids) for r in queued),
             num_used_tokens=used,
             max_total_tokens=total,
             token_usage=used / max(total, 1),
@@ -485,6 +491,8 @@ class Scheduler:
             num_overlapped_batches=s.num_overlapped_batches,
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
+            prompts_received=s.prompts_received,
+            prompt_tokens_received=s.prompt_tokens_received,
             disaggregation_mode=self.role.name,
             epoch=self.controller.epoch,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),

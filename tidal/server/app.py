@@ -353,6 +353,9 @@ def _add_admin_routes(app: FastAPI) -> None:
                           "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens,
                           "num_queued_prefill_tokens": st.queued_prefill_tokens,
                           "num_decoding_reqs": st.num_decoding_reqs,
+                          "num_waiting_prompt_tokens": st.waiting_prompt_tokens,
+                          "prompts_received_total": st.prompts_received,
+                          "prompt_tokens_received_total": st.prompt_tokens_received,
                           "max_total_tokens": st.max_total_tokens,
                           "age_s": round(age, 3)}])
 

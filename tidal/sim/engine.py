@@ -141,7 +141,7 @@ class Cluster:
         self.at(self.cfg.health_check_interval_s, self._health_tick)
         if self.cfg.phase_layouts:
             self.at(0.0, self._phase_tick)
-        elif self.cfg.planner.mode == "sla":
+        elif self.cfg.planner.mode != "static":
             self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
         limit = self.cfg.stop_after_miss_fraction
@@ -179,12 +179,12 @@ class Cluster:
         kind, w, d = route
         self.registry.begin(w)
         inst = self.instances[w.url]
-        inst.assigned += 1
+        inst.receive(r)
         inst.waiting.append(r)
         if kind == "pd":
             r.path, r.prefill_url, r.decode_url = PD_PATH, w.url, d.url
             self.registry.begin(d)
-            self.instances[d.url].assigned += 1
+            self.instances[d.url].receive(r)
         else:
             r.path, r.decode_url = NULL_PATH, w.url
         self._wake(inst)
@@ -341,13 +341,14 @@ class Cluster:
     def _plan(self, _: Any) -> None:
         self._plan_pending = False
         self._refresh_loads()  # the live loop refreshes every /get_load before deciding
-        traffic = self.window.traffic(self.now)
+        traffic = self.window.traffic(self.now, pool_loads(self.registry))
         while True:  # as the live loop: decide until it holds
             d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry), traffic,
                        self.planner_cost)
-            key = "move" if d.kind == "move" else f"hold: {d.why}"
+            advise = d.kind == "move" and self.cfg.planner.mode == "advise"
+            key = "advise" if advise else "move" if d.kind == "move" else f"hold: {d.why}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
-            if d.kind != "move":
+            if d.kind != "move" or advise:
                 break
             self._start_move(d.url, d.dst)
 

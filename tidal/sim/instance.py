@@ -117,6 +117,7 @@ class SimInstance:
         self.chunked: Optional[SimReq] = None
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
+        self.prompts_received = self.prompt_tokens_received = 0  # as the live scheduler counts them
         self.new_token_ratio = limits.init_ratio
         self.step: Optional[Step] = None
         self.wake_pending = False
@@ -140,7 +141,16 @@ class SimInstance:
             queued += self.chunked.prefill_tokens_left
         return {"num_reqs": waiting + len(self.running) + (self.chunked is not None), "num_waiting_reqs": waiting,
                 "num_tokens": self.kv_used, "num_queued_prefill_tokens": queued, "max_total_tokens": self.capacity,
-                "num_decoding_reqs": len(self.running)}
+                "num_decoding_reqs": len(self.running),
+                "num_waiting_prompt_tokens": sum(r.input_len for r in self.waiting + self.arrived),
+                "prompts_received_total": self.prompts_received,
+                "prompt_tokens_received_total": self.prompt_tokens_received}
+
+    def receive(self, r: SimReq) -> None:
+        """The router sent `r` here (to prefill, or a PD request to decode)."""
+        self.assigned += 1
+        self.prompts_received += 1
+        self.prompt_tokens_received += r.input_len
 
     def idle(self) -> bool:
         return self.assigned == 0 and self.step is None

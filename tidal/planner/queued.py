@@ -1,0 +1,76 @@
+"""What the prompts queued for prefill say of the mix, where the window has not seen it finish (pure, no I/O)."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import msgspec
+
+from tidal.planner.predict import PoolLoad
+from tidal.planner.schema import NULL, PREFILL, Traffic
+
+# the prompts waiting for prefill stand for the mix (`queued_mix`) when at least this many wait and their mean
+# differs from the window's by this factor, either way
+QUEUED_SAMPLE = 20
+QUEUED_SHIFT = 1.5
+
+
+def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
+    """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
+    are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
+    when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
+    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over
+    the next 30 s while the prefill pool fell behind). The waiting prompts are the newest arrivals (first come,
+    first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
+    the window's by QUEUED_SHIFT they are the mix: the deciles scaled alike, the answers those of the past
+    window whose prompts were nearest theirs (`seen_answers`), and the rate the last seconds' (the window
+    straddles the shift). The prompts are the waiting requests' own (`/get_load`'s num_waiting_prompt_tokens);
+    where a worker does not report them, the tokens queued for prefill stand in, a rough mean: they count the
+    rest of a prompt being prefilled in chunks (not a waiting request)."""
+    waiting = load.waiting[PREFILL] + load.waiting[NULL]
+    queued = queued_prompt_tokens(load)
+    if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
+        return traffic, ""
+    prompt = queued / waiting
+    ratio = prompt / traffic.mean_input_tokens
+    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
+        return traffic, ""
+    note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
+            f"the window's {traffic.mean_input_tokens:.0f})")
+    answers = seen_answers(prompt, traffic.past_mixes)
+    if answers is None:
+        answers = traffic.mean_output_tokens
+    else:
+        note += (f", answers of {answers:.0f} as a past window's of such prompts "
+                 f"(the window's {traffic.mean_output_tokens:.0f})")
+    rate = traffic.recent_arrival_rate or traffic.arrival_rate
+    if rate != traffic.arrival_rate:
+        note += f", {rate:.1f} requests/s over the last seconds (the window's {traffic.arrival_rate:.1f})"
+    return msgspec.structs.replace(
+        traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
+        input_tokens_deciles=[max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]), note
+
+
+def queued_prompt_tokens(load: PoolLoad) -> int:
+    """The prompt tokens of the requests waiting on prefill and null workers: their own where every such worker
+    reports them, else the tokens queued for prefill."""
+    prefill, null = load.waiting_prompt_tokens[PREFILL], load.waiting_prompt_tokens[NULL]
+    if prefill is not None and null is not None:
+        return prefill + null
+    return load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
+
+
+def seen_answers(prompt: float, past_mixes: list[list[float]]) -> Optional[float]:
+    """The mean answer of the past window whose mean prompt was nearest `prompt` (by ratio; the newest among
+    equals), if within QUEUED_SHIFT of it; None if none is. A mix's kinds of request differ in both lengths
+    (code completion: long prompts, short answers; chat: the reverse), and queued requests' answers are not
+    known before they end."""
+    best = None
+    for seen_prompt, answer in past_mixes:
+        if seen_prompt <= 0:
+            continue
+        off = abs(math.log(prompt / seen_prompt))
+        if off < math.log(QUEUED_SHIFT) and (best is None or off < best[0]):
+            best = (off, answer)
+    return None if best is None else best[1]
