@@ -9,6 +9,7 @@ import msgspec
 
 from tidal.planner.predict import PoolLoad
 from tidal.planner.schema import NULL, PREFILL, Traffic
+from tidal.planner.window import scaled
 
 # the prompts waiting for prefill stand for the mix (`queued_mix`) when at least this many wait and their mean
 # differs from the window's by this factor, either way
@@ -49,7 +50,7 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
         note += f", {rate:.1f} requests/s over the last seconds (the window's {traffic.arrival_rate:.1f})"
     return msgspec.structs.replace(
         traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
-        input_tokens_deciles=[max(1, round(x * ratio)) for x in traffic.input_tokens_deciles]), note
+        input_tokens_deciles=scaled(traffic.input_tokens_deciles, ratio)), note
 
 
 def queued_prompt_tokens(load: PoolLoad) -> int:

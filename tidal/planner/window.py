@@ -313,7 +313,7 @@ class TrafficWindow:
         received = self.received.mean_prompt()
         if received is None or mean <= 0 or now - self.started_at >= self.window_s:
             return mean, deciles(finished)
-        return received, [max(1, round(x * received / mean)) for x in deciles(finished)]
+        return received, scaled(deciles(finished), received / mean)
 
     def _rate(self, now: float, span_s: float) -> float:
         """Arrivals a second over the last `span_s` seconds (at most the window; over the router's first seconds,
@@ -372,6 +372,11 @@ def deciles(values: list) -> list:
     """The middle value of each tenth of the sorted values (p5, p15, ... p95); [] when empty."""
     xs = sorted(values)
     return [xs[int((i + 0.5) * len(xs) / 10)] for i in range(10)] if xs else []
+
+
+def scaled(lengths: list[int], ratio: float) -> list[int]:
+    """Token lengths (deciles) times `ratio`, at least 1: a mix's shape carried to another mean."""
+    return [max(1, round(x * ratio)) for x in lengths]
 
 
 def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE,

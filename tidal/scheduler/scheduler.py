@@ -478,7 +478,7 @@ class Scheduler:
             num_running_reqs=len(self.live_reqs()),
             num_decoding_reqs=len(self.running),
             num_waiting_reqs=len(queued),
-            waiting_prompt_tokens=sum(len(r.origin_input_ids) for r in queued),
+            waiting_prompt_tokens=sum(len(r.origin_input_ids) for r in queued),  # per snapshot, not per step
             num_used_tokens=used,
             max_total_tokens=total,
             token_usage=used / max(total, 1),
