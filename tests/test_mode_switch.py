@@ -177,6 +177,37 @@ def test_bootstrap_port_in_use_rolls_back():
         a.shutdown()
 
 
+def test_a_switchable_server_holds_its_bootstrap_port_until_it_becomes_prefill():
+    """An outgoing connection could take the port between start and a switch minutes later
+    (a CI run lost a switch that way): a plain bind is refused while the server is null,
+    the switch to prefill binds beside the hold, and shutdown frees the port."""
+    port = free_port()
+    a, b = make(port), make(free_port())
+
+    def plain_bind_refused() -> bool:
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                return True
+            return False
+
+    try:
+        assert plain_bind_refused()
+        assert switch(a, "prefill").status_code == 200 and switch(b, "decode").status_code == 200
+        serve_pd(a, b, port, n=2)  # the bootstrap server listens beside the hold
+        assert switch(a, "null").status_code == 200 and plain_bind_refused()
+        assert switch(a, "prefill").status_code == 200
+        serve_pd(a, b, port, n=1)
+    finally:
+        a.shutdown()
+        b.shutdown()
+    assert not plain_bind_refused()
+    off = make(port, enabled=False)  # only a switchable server holds it
+    assert off.bootstrap_port_hold is None
+    off.shutdown()
+
+
 def test_to_decode_needs_empty_cache_unless_flushed(pair):
     a, *_ = pair
     serve_colocated(a)

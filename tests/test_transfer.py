@@ -373,6 +373,29 @@ def test_heartbeats_reach_the_bootstrap_server_and_detect_a_gone_prefill(pairs):
     assert "no longer registered" in str(r2.failure_exception())
 
 
+def test_a_room_sent_to_a_prefill_that_left_goes_to_the_one_registered_after_it(pairs):
+    """A server that leaves prefill and comes back within a few heartbeats registers anew
+    (new id, new inbox) while decode still caches the old one: a room routed to it meanwhile
+    reaches only the stale inbox, and the next heartbeat moves it to the new one, not fails it."""
+    pair = pairs("tcp", 4)
+    (r,) = make_reqs(pair, 1, random.Random(7))
+    run(pair, [r])
+    client = pair.decode._decode.client
+    client._next_heartbeat = float("inf")  # no heartbeat until the room is on the stale target
+    old_id = pair.prefill.id
+    pair.prefill.shutdown()  # drained: it held no room
+    pair.prefill = create_kv_manager("tcp", KVArgs(0, pair.ppool, MetadataBuffers(16), 4, "float16"),
+                                     "prefill", pair.server.port, FAST)
+    (r2,) = make_reqs(pair, 1, random.Random(8))
+    bootstrapped(pair, r2)
+    assert r2.receiver._impl._room.conn.prefill_id == old_id
+    client._next_heartbeat = 0.0
+    client._wake.set()
+    run(pair, [r2])
+    assert_landed(pair, r2)
+    assert r2.receiver._impl._room.conn is None or r2.receiver._impl._room.conn.prefill_id == pair.prefill.id
+
+
 # ---------------------------------------------------------------- isolation
 
 

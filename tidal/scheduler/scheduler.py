@@ -97,8 +97,19 @@ class Scheduler:
         from tidal.roles.controller import ModeController
 
         self.embedder = Embedder(self, resolve_pooling(args)) if args.is_embedding else None
+        self.bootstrap_port_hold = self._hold_bootstrap_port()
         self.role = create_role(args.disaggregation_mode, self)
         self.controller = ModeController(self)
+
+    def _hold_bootstrap_port(self):
+        """A switchable server's rank 0 holds its bootstrap port from the start, so that when it
+        becomes prefill minutes later no outgoing connection has taken the port meanwhile."""
+        args = self.args
+        if not args.enable_dynamic_disaggregation or self.tp.rank != 0 or not args.disaggregation_bootstrap_port:
+            return None
+        from tidal.transfer.bootstrap import hold_port
+
+        return hold_port(args.host, args.disaggregation_bootstrap_port)
 
     # ------------------------------------------------------------------ inputs
 
@@ -439,6 +450,8 @@ class Scheduler:
         self.grammars.shutdown()
         self.controller.shutdown()
         self.role.shutdown()
+        if self.bootstrap_port_hold is not None:
+            self.bootstrap_port_hold.close()
         pool = getattr(self.runner, "kv_pool", None)
         if pool is not None and hasattr(pool, "close"):
             pool.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 import threading
 import time
 from typing import Any, Optional
@@ -74,6 +75,26 @@ MAX_DECODE_PEERS = 1024
 def _has_key(request: web.Request, key: str) -> bool:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), key.encode())
+
+
+def hold_port(host: str, port: int) -> Optional[socket.socket]:
+    """A socket bound to host:port that never listens, for a server that may become prefill later.
+
+    While it lives no other socket binds the port, an outgoing connection's ephemeral port
+    included, except one that sets SO_REUSEADDR and listens: the bootstrap server, which binds
+    beside it whenever the server turns prefill. None (a warning logged) if the port is taken
+    now; the switch to prefill then fails with the port's error and rolls back.
+    """
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        logger.warning("bootstrap port %s:%d is in use (%s): this server cannot become prefill until it is free",
+                       host, port, e)
+        return None
+    return sock
 
 
 class BootstrapServer:
@@ -293,7 +314,7 @@ class BootstrapClient:
         self.tp_size = tp_size
         self.config = config
         self._on_ready = on_ready  # (Target) -> None
-        self._on_lost = on_lost  # (Target, reason) -> None
+        self._on_lost = on_lost  # (Target, reason, replaced: another prefill registered at its address) -> None
         self._lock = threading.Lock()
         self._targets: dict[str, Target] = {}
         self._wake = threading.Event()
@@ -395,8 +416,11 @@ class BootstrapClient:
                 status, resp = http_json("POST", t.addr, "/heartbeat", body, timeout=self.HTTP_TIMEOUT)
             except OSError as e:
                 status, resp = 0, {"error": str(e)}
-            if status == 200 and t.prefill_id not in resp.get("prefill_ids", []):
-                self._lose(t, f"prefill {t.prefill_id} is no longer registered at {t.addr}")
+            registered = resp.get("prefill_ids", []) if status == 200 else []
+            if status == 200 and t.prefill_id not in registered:
+                # another prefill registered here (the server left prefill and came back): it
+                # takes over the rooms the gone one never started
+                self._lose(t, f"prefill {t.prefill_id} is no longer registered at {t.addr}", replaced=bool(registered))
             elif status == 200:
                 t.misses = 0
             else:
@@ -404,6 +428,6 @@ class BootstrapClient:
                 if t.misses >= self.config.heartbeat_misses:
                     self._lose(t, f"bootstrap server {t.addr} missed {t.misses} heartbeats: {resp}")
 
-    def _lose(self, t: Target, reason: str) -> None:
+    def _lose(self, t: Target, reason: str, replaced: bool = False) -> None:
         self._fail(t, reason)
-        self._on_lost(t, reason)
+        self._on_lost(t, reason, replaced)

@@ -243,14 +243,29 @@ class DecodeSide:
                       info=self.transport.local_info())
         self._send(t.endpoint, hello)
 
-    def _on_target_lost(self, t: Target, reason: str) -> None:
+    def _on_target_lost(self, t: Target, reason: str, replaced: bool = False) -> None:
+        """The prefill behind t left. Where another registered at its address, its rooms start
+        over with that one (unless a write is in flight): a prefill drains before it leaves,
+        so a room still waiting on it was routed to its successor and reached only the stale
+        endpoint; after a crash the successor writes every page again."""
         with self._lock:
             live = [st for st in self._rooms.values() if st.target is t and st.status not in TERMINAL_POLLS]
             conn = self._conns.pop(t.endpoint, None) if t.endpoint else None
+            moved = [st for st in live if replaced and st.writing == 0 and not self._closed]
+            for st in moved:
+                self._restart_bootstrap(st)
         for st in live:
-            self.fail(st, reason)
+            if st not in moved:
+                self.fail(st, reason)
+        if moved:
+            logger.info("%s; %d waiting room(s) go to the prefill now registered there", reason, len(moved))
         if conn is not None:
             self.control.disconnect(conn.endpoint)
+
+    def _restart_bootstrap(self, st: ReceiverRoom) -> None:
+        """Lock held: the room looks its prefill up again; its pages and deadlines stay."""
+        st.target = self.client.target(st.addr)
+        st.status, st.conn, st.info_sent = KVPoll.Bootstrapping, None, False
 
     # ---- control thread (and the tcp receive thread for in-band completions)
 
