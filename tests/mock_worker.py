@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 import threading
 import time
 from typing import Any, AsyncIterator, Optional
@@ -21,6 +20,7 @@ from typing import Any, AsyncIterator, Optional
 import uvicorn
 from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
+from servers import free_port
 
 GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 
@@ -29,12 +29,6 @@ GENERATE_PATHS = ("/generate", "/v1/completions", "/v1/chat/completions")
 # decode server waits for its KV, and fails when the transfer failed or never came.
 ROOMS: dict[int, str] = {}
 KV_WAIT_S = 2.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def sse(obj: Any) -> bytes:

@@ -15,9 +15,8 @@ from typing import Optional
 import httpx
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free port below the ephemeral range (see free_port_block)."""
+    return free_port_block(1)
 
 
 def _ephemeral_range() -> tuple[int, int]:
@@ -29,6 +28,9 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port_block(n: int) -> int:
     """The first of n consecutive free ports (for `tidal cluster --base-port`, which takes
     base, base+1, ...). Taken below the ephemeral range: an ephemeral port next to a free one
@@ -37,12 +39,15 @@ def free_port_block(n: int) -> int:
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(10000, max(lo - n, 10001))
+        if not _HANDED_OUT.isdisjoint(range(base, base + n)):
+            continue  # handed out before, maybe not bound yet
         try:
             for p in range(base, base + n):
                 with socket.socket() as s:
                     s.bind(("127.0.0.1", p))
         except OSError:
             continue
+        _HANDED_OUT.update(range(base, base + n))
         return base
     raise RuntimeError(f"no {n} consecutive free ports below {lo}")
 

@@ -17,15 +17,10 @@ from tidal.messages import GenerateReq, ModeStatusReq, PrepareModeReq, SwitchMod
 from tidal.sampling_params import SamplingParams
 from tidal.scheduler.scheduler import Scheduler
 from test_pd_scheduler import run_pair
+from servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 _calls = itertools.count(1)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make(port: int, mode: str = "null", **kw) -> Scheduler:

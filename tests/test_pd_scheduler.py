@@ -7,7 +7,6 @@ missing KV pages produces different tokens than the colocated reference.
 from __future__ import annotations
 
 import random
-import socket
 import time
 
 import pytest
@@ -18,14 +17,9 @@ from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.messages import AbortReq, GenerateReq
 from tidal.sampling_params import SamplingParams
 from tidal.scheduler.scheduler import Scheduler
+from servers import free_port
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def make(mode: str, backend: str, port: int, page_size: int, chunk: int = 16, tokens: int = 4096) -> Scheduler:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ import openai
 import pytest
 
 from fake_scheduler import cached_tokenizer_dir, default_gguf_path
+from servers import free_port
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -28,12 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FAKE = os.path.join(ROOT, "tests", "fake_scheduler.py")
 CONTEXT_LEN = 4096  # the fake scheduler's default
 API_KEY = "sk-test-key"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def child_pids(pid: int) -> list[int]:
