@@ -167,7 +167,8 @@ def test_a_fault_on_one_rank_rolls_back_every_rank(pair, step, rank):
 
 def test_bootstrap_port_taken_fails_on_rank_0_and_all_roll_back(pair):
     a, _, pa, _ = pair
-    with socket.socket() as blocker:
+    with socket.socket() as blocker:  # another listener: rank 0's hold on its bootstrap port does not stop one
+        blocker.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         blocker.bind(("127.0.0.1", pa))
         blocker.listen()
         r = switch(a, "prefill")
