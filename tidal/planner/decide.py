@@ -453,8 +453,9 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no_legal_move", f"no legal move toward the target ({'; '.join(blocked) or 'none'}); {why}",
                      current, cands, target=target)
     state.committed = target.pools
-    return Decision(at=now, kind="move", url=best.url, src=best.src, dst=best.dst, current=current, best=best,
-                    candidates=cands, target=target,
+    # advise: the move reported, not started (callers start only a "move"); the next round decides from the same pools
+    return Decision(at=now, kind="advise" if cfg.mode == "advise" else "move", url=best.url, src=best.src,
+                    dst=best.dst, current=current, best=best, candidates=cands, target=target,
                     reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
                            f"{best.src}->{best.dst}")
 

@@ -128,8 +128,6 @@ class PlannerLoop:
         traffic = self.window.traffic(now, self.last_loads)
         while True:
             d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
-            if d.kind == "move" and self.cfg.mode == "advise":
-                d.kind = "advise"  # reported, not started: the next round decides from the same pools
             self.last = d
             self.decisions.append(d)
             self._record(d, traffic)

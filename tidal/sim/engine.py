@@ -345,10 +345,9 @@ class Cluster:
         while True:  # as the live loop: decide until it holds
             d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry), traffic,
                        self.planner_cost)
-            advise = d.kind == "move" and self.cfg.planner.mode == "advise"
-            key = "advise" if advise else "move" if d.kind == "move" else f"hold: {d.why}"
+            key = d.kind if d.kind in ("move", "advise") else f"hold: {d.why}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
-            if d.kind != "move" or advise:
+            if d.kind != "move":
                 break
             self._start_move(d.url, d.dst)
 
