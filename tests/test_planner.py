@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import msgspec
@@ -1100,3 +1101,23 @@ def test_the_prefill_step_budget_bounds_the_batch():
     b = decide(NOW, cfg(), PlannerState(), layout(1, 3, 0), traffic, big)
     assert a.current.capacity < 1.0 < b.current.capacity
 
+
+
+@pytest.mark.parametrize("field, value, says", [
+    ("ttft_slo_s", float("nan"), "--ttft-slo-ms must be a positive number"),
+    ("tpot_slo_s", float("inf"), "--tpot-slo-ms must be a positive number"),
+    ("window_s", 0.0, "--planner-window-s must be a positive number"),
+    ("interval_s", 1e-6, "--planner-interval-s must be at least 0.1 s"),
+    ("interval_s", float("nan"), "--planner-interval-s must be at least 0.1 s"),
+    ("hysteresis", float("nan"), "--planner-hysteresis must be >= 0"),
+    ("cooldown_s", -1.0, "--planner-cooldown-s must be >= 0"),
+    ("worker_cooldown_s", float("nan"), "--planner-worker-cooldown-s must be >= 0"),
+    ("min_per_pool", -1, "--planner-min-per-pool must be >= 0"),
+    ("max_concurrent_moves", 0, "--planner-max-concurrent-moves must be >= 1"),
+])
+def test_planner_config_names_the_one_bad_flag_nan_included(field, value, says):
+    """The router, `tidal cluster` and `tidal sim` build their planner from this config: NaN passes a `<= 0`
+    check, so it must be refused explicitly, and the message names only the flag at fault."""
+    with pytest.raises(ValueError, match=says.replace(".", r"\.")):
+        PlannerConfig(mode="sla", **{field: value})
+    assert PlannerConfig(mode="sla", cooldown_s=float("inf"), worker_cooldown_s=float("inf")).cooldown_s == math.inf

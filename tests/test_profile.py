@@ -9,9 +9,11 @@ import copy
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
+import time
 
 import httpx
 import pytest
@@ -313,6 +315,26 @@ def profile_cmd(url: str, *extra: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=240)
 
 
+def terminated_mid_run(url: str, *args: str) -> subprocess.CompletedProcess:
+    """`tidal profile` sent SIGTERM once it has switched the server out of its mode."""
+    proc = subprocess.Popen([sys.executable, "-m", "tidal.cli", "profile", "--url", url, *args],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        original = httpx.get(url + "/server_info", timeout=30).json()["disaggregation_mode"]
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            if httpx.get(url + "/server_info", timeout=30).json()["disaggregation_mode"] != original:
+                proc.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.02)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 @pytest.mark.timeout(300)
 def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path):
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both load the model at once
@@ -333,6 +355,8 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
                    profile_cmd(d.url, *grid, "--measure-switch")]  # not switchable
         run = profile_cmd(s.url, *grid, "--decode-url", d.url, "--measure-switch")
         mode = httpx.get(s.url + "/server_info", timeout=30).json()["disaggregation_mode"]
+        stopped = terminated_mid_run(s.url, *grid, "--measure-switch", "--repeats", "5")
+        mode_after_sigterm = httpx.get(s.url + "/server_info", timeout=30).json()["disaggregation_mode"]
     finally:
         for server in servers:
             server.stop()
@@ -343,6 +367,9 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     assert all("Traceback" not in r.stderr for r in refused)
     assert run.returncode == 0, run.stderr
     assert mode == "prefill"  # switched to null to measure, then back
+    # SIGTERM (kill, timeout) in the middle: the run stops as on Ctrl-C, and the server is back in prefill mode
+    assert stopped.returncode == 130 and "tidal profile: interrupted" in stopped.stderr, stopped.stderr
+    assert mode_after_sigterm == "prefill"
     cm = CostModel.from_file(str(out))
     p = cm.profile
     assert [x.tokens for x in p.prefill] == [16, 256] and all(x.seconds > 0 for x in p.prefill)
@@ -362,3 +389,15 @@ def test_profile_a_real_server_with_a_decode_peer_and_restore_its_mode(tmp_path)
     assert [x.tokens for x in p.kv_transfer] == [16, 256]
     assert p.kv_transfer[0].bytes > 0 and p.kv_transfer[1].bytes == 16 * p.kv_transfer[0].bytes  # page size 1
     assert all(x.seconds >= 0 for x in p.kv_transfer)
+
+
+def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, capsys):
+    """No server is asked (none listens on the port): the output path is checked first."""
+    url = f"http://127.0.0.1:{free_port()}"
+    for output, says in ((tmp_path, "it is a directory"), (tmp_path / "no" / "p.json", "no directory")):
+        assert main(["profile", "--url", url, "--output", str(output)]) == 1
+        err = capsys.readouterr().err
+        assert f"tidal profile: error: cannot write {output}: {says}" in err and "cannot connect" not in err
+    assert main(["profile", "--url", url, "--output", str(tmp_path / "p.json"), "--decode-url", url]) == 1
+    err = capsys.readouterr().err
+    assert "--decode-url needs --measure-switch" in err and "cannot connect" not in err

@@ -243,14 +243,61 @@ def test_phase_layouts_are_checked(capsys):
     (["goodput", "--layouts", "3:3", "--instances", "4"], "at most --instances 4"),
     (["goodput", "--plot", "x.png"], "--plot draws one run"),
     (["calibrate"], "calibrate needs --bench-json"),
+    (["calibrate", "--bench-json", "/nonexistent.json"], "--bench-json /nonexistent.json: not found"),
+    (["--tpot-slo-ms", "nan"], "--tpot-slo-ms must be a positive number, got nan"),
+    (["--planner-hysteresis", "nan"], "--planner-hysteresis must be >= 0"),
+    (["--planner-cooldown-s", "nan"], "--planner-cooldown-s must be >= 0"),
+    (["--planner-interval-s", "1e-6"], "--planner-interval-s must be at least 0.1 s"),
+    (["--planner-min-per-pool", "-1"], "--planner-min-per-pool must be >= 0, got -1"),
+    (["--rate-tolerance", "0"], "--rate-tolerance must be > 0"),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1"),
+    (["--instances", "4", "--prefill", "5"], "--null 0 + --prefill 5 are more than --instances 4"),
+    (["--plot", "run.json"], "--plot run.json: name a .png, .svg, .pdf file"),
+    (["--workload", "shift", "--phase-layouts", ",,"], "--phase-layouts: no layout given"),
+    (["--phase-layouts", "2:2:0,3:1:0", "--instances", "4"], "--phase-layouts needs a workload with phases"),
+    (["--workload", "shift", "--phase-layouts", "2:2:0,3:1:0", "--instances", "4", "--planner", "sla"],
+     "--phase-layouts replaces the planner in a run"),
 ])
 def test_bad_flags_are_one_clear_line_before_anything_runs(capsys, flags, says):
     argv = ["sim"] + flags if flags[0] in ("goodput", "calibrate") else ["sim", "run"] + flags
     assert says in sim_error(capsys, argv)
 
 
+def test_bad_files_are_one_clear_line_not_a_traceback(tmp_path, capsys):
+    """Output paths that cannot be written are refused before the run; a trace or a bench JSON that is not
+    one is named with what is wrong."""
+    run = ["sim", "run", "--instances", "4", "--duration-s", "30"]
+    assert f"--output {tmp_path}: is a directory" in sim_error(capsys, run + ["--output", str(tmp_path)])
+    assert f"--plot {tmp_path}: is a directory" in sim_error(capsys, run + ["--plot", str(tmp_path)])
+    files = {"passwd.csv": "root:x:0:0:root:/root:/bin/bash\n",
+             "bad_time.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\nnotatime,10,10\n",
+             "header.csv": "TIMESTAMP,ContextTokens,GeneratedTokens\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    says = {"passwd.csv": "passwd.csv: not an Azure LLM trace (its header needs", "bad_time.csv": "line 2: not an Azure LLM trace row",
+            "header.csv": "the workload has no request in its first 30 s"}
+    for name, message in says.items():
+        assert message in sim_error(capsys, run + ["--trace", str(tmp_path / name)])
+    benches = {"list.json": "[1, 2]", "not.json": "root:x", "empty.json": '{"requests": []}',
+               "field.json": '{"requests": [{"start": "x", "success": true, "prompt_tokens": 1, "output_tokens": 1}]}'}
+    for name, text in benches.items():
+        (tmp_path / name).write_text(text)
+    says = {"list.json": "not a `tidal bench --output-file` JSON (Expected `object`, got `array`)",
+            "not.json": "not a `tidal bench --output-file` JSON (JSON is malformed",
+            "empty.json": "no per-request records", "field.json": "at `$.requests[0].start`"}
+    for name, message in says.items():
+        assert message in sim_error(capsys, ["sim", "calibrate", "--bench-json", str(tmp_path / name)])
+
+
+def test_a_run_of_phase_layouts_says_so_in_its_report(tmp_path):
+    d = sim_json(tmp_path, "phases", "--instances", "4", "--workload", "shift", "--phase-s", "20", "--duration-s", "60",
+                 "--phase-layouts", "3:1:0,1:3:0")
+    assert d["config"]["planner"] == "phases" and d["config"]["phase_layouts"] == "3:1:0,1:3:0"
+    assert d["moves"]
+
+
 def test_goodput_searches_a_split_named_in_layouts(tmp_path):
-    d = sim_json(tmp_path, "named", "goodput", "--instances", "4", "--layouts", "1:2,planner", "--duration-s", "60",
+    d = sim_json(tmp_path, "named", "goodput", "--instances", "4", "--layouts", "1:2, planner", "--duration-s", "60",
                  "--rate-tolerance", "0.2")
     assert [r["layout"] for r in d["results"]] == ["static 1:2 + 1 null", "planner from 2:2"]
     assert d["best_static"] == "static 1:2 + 1 null" and d["results"][0]["null"] == 1

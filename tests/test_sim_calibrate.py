@@ -3,6 +3,7 @@ simulator's host sharing (instances on one host with fewer cores than their thre
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import sys
@@ -11,7 +12,7 @@ import pytest
 
 from tidal.cli import main as tidal_main
 from tidal.profile.cost import CostModel
-from tidal.sim.calibrate import calibrate, compare, replayed_trace
+from tidal.sim.calibrate import calibrate, calibrate_layout, compare, replayed_trace
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.workload import TraceRequest
@@ -100,6 +101,13 @@ def test_calibrate_command_writes_both_sides(tmp_path, capsys):
     assert result["config"]["host_cores"] == 2 and result["config"]["simulated"] is True
     assert result["requests"]["replayed"] == 5
     assert "ttft_p50" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("null, prefill, decode, layout", [
+    (0, None, None, (0, 1, 1)), (1, None, None, (1, 0, 0)), (1, 1, 1, (1, 1, 1)), (1, 2, None, (1, 2, 1))])
+def test_calibrate_layout_is_the_live_runs(null, prefill, decode, layout):
+    """A live run of null servers alone needs only --null; prefill and decode not given are 1 each otherwise."""
+    assert calibrate_layout(argparse.Namespace(null=null, prefill=prefill, decode=decode)) == layout
 
 
 @pytest.mark.slow

@@ -135,6 +135,13 @@ def default_azure_dir() -> str:
     return os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "azure_llm_2023")
 
 
+TRACE_COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceFormatError(ValueError):
+    """A trace file whose rows are not the Azure LLM trace's."""
+
+
 def parse_timestamp(ts: str) -> float:
     """'2023-11-16 18:17:03.9799600' -> POSIX seconds (any number of fraction digits)."""
     base, _, frac = ts.strip().partition(".")
@@ -161,13 +168,20 @@ def load_azure_trace(path: str, num_prompts: int, offset: int = 0,
     arrivals are relative to the first selected row and divided by ``speedup``."""
     rows: list[tuple[float, int, int]] = []
     with open(path, newline="") as f:
-        for i, row in enumerate(csv.DictReader(f)):
+        reader = csv.DictReader(f)
+        if not set(TRACE_COLUMNS) <= set(reader.fieldnames or ()):
+            raise TraceFormatError(f"{path}: not an Azure LLM trace (its header needs {','.join(TRACE_COLUMNS)})")
+        for i, row in enumerate(reader):
             if i < offset:
                 continue
             if len(rows) >= num_prompts:
                 break
-            rows.append((parse_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]),
-                         int(row["GeneratedTokens"])))
+            try:
+                rows.append((parse_timestamp(row["TIMESTAMP"]), int(row["ContextTokens"]),
+                             int(row["GeneratedTokens"])))
+            except (KeyError, ValueError, TypeError, AttributeError) as e:
+                raise TraceFormatError(f"{path} line {i + 2}: not an Azure LLM trace row ({','.join(TRACE_COLUMNS)}): "
+                                       f"{type(e).__name__}: {e}") from None
     if not rows:
         return []
     t0 = rows[0][0]
@@ -199,8 +213,11 @@ def build_requests(ns: Any, tokenizer: Any,
                                       ns.random_range_ratio, ns.seed, nonce, as_ids)
         return reqs, nonce
     path = resolve_trace_file(ns.dataset, ns.dataset_path)
-    warm = load_azure_trace(path, ns.warmup_requests, ns.trace_offset, ns.trace_speedup)
-    rows = load_azure_trace(path, ns.num_prompts, ns.trace_offset, ns.trace_speedup)
+    try:
+        warm = load_azure_trace(path, ns.warmup_requests, ns.trace_offset, ns.trace_speedup)
+        rows = load_azure_trace(path, ns.num_prompts, ns.trace_offset, ns.trace_speedup)
+    except TraceFormatError as e:
+        raise SystemExit(f"tidal bench: error: {e}") from None
     reqs = sample_azure_requests(tokenizer, list(warm) + list(rows), ns.max_input_len,
                                  ns.max_output_len, ns.seed, nonce, as_ids)
     return reqs, nonce

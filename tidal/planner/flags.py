@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.planner.decide import MEETS_TODAY_GAIN
-from tidal.planner.schema import PLANNER_MODES, PlannerConfig
+from tidal.planner.schema import MIN_INTERVAL_S, PLANNER_MODES, PlannerConfig
 
 # (flag, namespace attribute) of every planner flag that takes a value, for the pass-through
 VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--tpot-slo-ms", "tpot_slo_ms"),
@@ -34,7 +34,7 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
     g.add_argument("--tpot-slo-ms", type=float, default=d.tpot_slo_s * 1000,
                    help=f"time-per-output-token SLO the planner aims for (default: {d.tpot_slo_s * 1000:g})")
     g.add_argument("--planner-interval-s", type=float, default=d.interval_s,
-                   help=f"seconds between planner decisions (default: {d.interval_s:g})")
+                   help=f"seconds between planner decisions, at least {MIN_INTERVAL_S:g} (default: {d.interval_s:g})")
     g.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
                    help=f"for this long after a move starts or ends, no move undoes it: none out of the pool it "
                         f"grew nor into the pool it shrank; moves the same way go on (default: {d.cooldown_s:g})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import msgspec
@@ -10,6 +11,7 @@ PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (NULL, PREFILL, DECODE)
 PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
 PLANNER_MODES = ("static", "sla", "advise")
+MIN_INTERVAL_S = 0.1  # the shortest --planner-interval-s
 
 
 class WorkerLoad(msgspec.Struct, kw_only=True):
@@ -125,16 +127,23 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
             raise ValueError(f"--planner must be one of {', '.join(PLANNER_MODES)}, got {self.mode!r}")
-        if self.ttft_slo_s <= 0 or self.tpot_slo_s <= 0:
-            raise ValueError("--ttft-slo-ms and --tpot-slo-ms must be positive")
-        if self.interval_s <= 0 or self.window_s <= 0 or self.burst_window_s <= 0:
-            raise ValueError("--planner-interval-s, --planner-window-s and --planner-burst-window-s must be "
-                             "positive")
-        if self.cooldown_s < 0 or self.min_per_pool < 0 or self.max_concurrent_moves < 1:
-            raise ValueError("--planner-cooldown-s and --planner-min-per-pool must be >= 0, "
-                             "--planner-max-concurrent-moves >= 1")
-        if self.hysteresis < 0 or (self.worker_cooldown_s is not None and self.worker_cooldown_s < 0):
-            raise ValueError("--planner-hysteresis and --planner-worker-cooldown-s must be >= 0")
+        # `not x > 0` (not `x <= 0`) so that NaN is refused too; infinity only where it means "never"
+        for flag, value in (("--ttft-slo-ms", self.ttft_slo_s * 1000), ("--tpot-slo-ms", self.tpot_slo_s * 1000),
+                            ("--planner-window-s", self.window_s), ("--planner-burst-window-s", self.burst_window_s)):
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"{flag} must be a positive number, got {value:g}")
+        if not (MIN_INTERVAL_S <= self.interval_s < math.inf):
+            raise ValueError(f"--planner-interval-s must be at least {MIN_INTERVAL_S:g} s (a decision predicts every "
+                             f"layout of the cluster), got {self.interval_s:g}")
+        for flag, value in (("--planner-cooldown-s", self.cooldown_s), ("--planner-hysteresis", self.hysteresis),
+                            ("--planner-worker-cooldown-s", 0.0 if self.worker_cooldown_s is None
+                             else self.worker_cooldown_s)):
+            if not value >= 0:
+                raise ValueError(f"{flag} must be >= 0, got {value:g}")
+        if self.min_per_pool < 0:
+            raise ValueError(f"--planner-min-per-pool must be >= 0, got {self.min_per_pool}")
+        if self.max_concurrent_moves < 1:
+            raise ValueError(f"--planner-max-concurrent-moves must be >= 1, got {self.max_concurrent_moves}")
 
     @property
     def per_worker_cooldown_s(self) -> float:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
+import signal
 import sys
+from typing import Any, Iterator
 
 from tidal.config import keys_from_env
 
@@ -80,6 +84,32 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def output_problem(path: str) -> str:
+    """Why the profile could not be written at `path` ("" when it could): checked before minutes of measuring."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        return f"no directory {folder}"
+    if os.path.isdir(path):
+        return "it is a directory"
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        return "not writable"
+    return ""
+
+
+@contextlib.contextmanager
+def sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (kill, timeout, a service manager) stops the run as Ctrl-C does, so that the server's original
+    mode is put back before the process exits."""
+    def interrupt(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def run_profile_cli(ns: argparse.Namespace) -> int:
     from tidal.profile.measure import Options, ProfileError, run_profile
     from tidal.profile.schema import ProfileFormatError, save_profile
@@ -91,8 +121,13 @@ def run_profile_cli(ns: argparse.Namespace) -> int:
                    timeout_s=ns.timeout_s, measure_switch=ns.measure_switch, decode_url=ns.decode_url,
                    api_key=ns.api_key,
                    admin_api_key=ns.admin_api_key, log=_say)
+    unwritable = output_problem(ns.output)
+    if unwritable:
+        _say(f"tidal profile: error: cannot write {ns.output}: {unwritable}")
+        return 1
     try:
-        profile = run_profile(opts)
+        with sigterm_interrupts():
+            profile = run_profile(opts)
         save_profile(profile, ns.output)
     except (ProfileError, ProfileFormatError) as e:
         _say(f"tidal profile: error: {e}")

@@ -501,14 +501,30 @@ def measure_switches(http: Http, opts: Options, original: str) -> tuple[list[Swi
     return points, Drain(seconds_idle=round(statistics.median(overheads), 6))
 
 
-def restore_mode(http: Http, original: str) -> None:
-    if current_mode(http) != original:
-        switch_to(http, original)
+def restore_mode(http: Http, original: str, tries: int = 5) -> None:
+    """Switch the server back to `original`. A run interrupted in the middle of a switch left that switch to
+    finish on the server: a refusal while it does is retried."""
+    for attempt in range(tries):
+        try:
+            if current_mode(http) != original:
+                switch_to(http, original)
+            break
+        except ProfileError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
     if current_mode(http) != original:
         raise ProfileError(f"the server did not return to {original} mode")
 
 
 # ------------------------------------------------------------------ the whole run
+
+
+def check_flags(opts: Options) -> None:
+    """What is wrong with the flags alone, before any server is asked."""
+    if opts.decode_url and not opts.measure_switch:
+        raise ProfileError("--decode-url needs --measure-switch: the server is switched to prefill mode to hand "
+                           "its KV to the decode peer")
 
 
 def check_options(opts: Options, facts: ServerFacts) -> None:
@@ -517,15 +533,13 @@ def check_options(opts: Options, facts: ServerFacts) -> None:
     check_grid(opts, facts)
     if opts.measure_switch and not facts.switchable:
         raise ProfileError("--measure-switch needs a server started with --enable-dynamic-disaggregation")
-    if opts.decode_url and not opts.measure_switch:
-        raise ProfileError("--decode-url needs --measure-switch: the server is switched to prefill mode to hand "
-                           "its KV to the decode peer")
     if not opts.measure_switch and facts.mode != "null":
         raise ProfileError(f"the server is in {facts.mode} mode; profile a null-mode server, or pass "
                            f"--measure-switch (it switches to null to measure and back at the end)")
 
 
 def run_profile(opts: Options) -> Profile:
+    check_flags(opts)
     with contextlib.ExitStack() as stack:
         http = stack.enter_context(contextlib.closing(
             Http(opts.url, opts.timeout_s, opts.api_key, opts.admin_api_key)))

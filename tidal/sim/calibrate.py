@@ -10,11 +10,12 @@ the tolerance.
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import sys
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
+
+import msgspec
 
 from tidal.planner.decide import has_path
 from tidal.profile.cost import host_mismatch
@@ -27,11 +28,38 @@ METRICS = ("ttft", "tpot")
 QUANTILES = (50, 90)
 
 
+class BenchRecord(msgspec.Struct):
+    """The fields of a `tidal bench --output-file` request record that a replay reads (others are ignored)."""
+    start: float
+    success: bool
+    prompt_tokens: int
+    output_tokens: int
+    ttft: Optional[float] = None
+    tpot: Optional[float] = None
+    requested_output_tokens: Optional[int] = None
+
+
+class BenchFile(msgspec.Struct):
+    requests: list[BenchRecord]
+
+
 def load_bench(path: str) -> dict:
-    with open(path) as f:
-        bench = json.load(f)
-    if not bench.get("requests"):
-        raise SystemExit(f"tidal sim calibrate: {path} has no per-request records (a `tidal bench --output-file` JSON)")
+    """The bench JSON as read, once its request records have the fields and types a replay needs."""
+    from tidal.sim.cli import fail
+
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        bench = msgspec.json.decode(raw)
+        msgspec.convert(bench, BenchFile)
+    except OSError as e:
+        fail(f"--bench-json {path}: {e.strerror or e}")
+    except msgspec.MsgspecError as e:
+        fail(f"--bench-json {path}: not a `tidal bench --output-file` JSON ({e})")
+    if not bench["requests"]:
+        fail(f"--bench-json {path}: no per-request records (a `tidal bench --output-file` JSON)")
+    if any(r["success"] and r.get("ttft") is None for r in bench["requests"]):
+        fail(f"--bench-json {path}: a successful request without its ttft")
     return bench
 
 
@@ -88,16 +116,21 @@ def format_table(result: dict) -> str:
         lines.append(f"{name:<10}{row['live_ms']:>12.1f}{row['sim_ms']:>12.1f}{row['rel_err']:>+12.1%}")
     n = result["requests"]
     verdict = "PASS" if result["passed"] else "FAIL"
+    lay = result.get("config", {})
+    if lay:
+        lines.append(f"simulated layout: {lay['prefill']} prefill, {lay['decode']} decode, {lay['null']} null")
     lines.append(f"{n['replayed']} requests replayed ({n['live_succeeded']} succeeded live, {n['sim_finished']} "
                  f"finished simulated); p50 within {result['tolerance']:.0%}: {verdict}")
     return "\n".join(lines)
 
 
 def calibrate_layout(ns: Any) -> tuple[int, int, int]:
-    """(null, prefill, decode) of the live run: the flags, prefill and decode 1 when not given."""
+    """(null, prefill, decode) of the live run: the flags; prefill and decode not given are 1 each, or 0 each
+    with null servers (a colocated run)."""
     k = ns.null
-    p = 1 if ns.prefill is None else ns.prefill
-    d = 1 if ns.decode is None else ns.decode
+    default = 0 if k and ns.prefill is None and ns.decode is None else 1
+    p = default if ns.prefill is None else ns.prefill
+    d = default if ns.decode is None else ns.decode
     if min(k, p, d) < 0 or not has_path({"null": k, "prefill": p, "decode": d}):
         raise SystemExit("tidal sim calibrate: need a null server, or a prefill and a decode server")
     return k, p, d
@@ -109,13 +142,14 @@ def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
     if not ns.bench_json:
         raise SystemExit("tidal sim calibrate: --bench-json is required")
     k, p, d = calibrate_layout(ns)
+    bench = load_bench(ns.bench_json)
     warning = host_mismatch(cost.profile)
     if warning:  # the live run was on this host
         print(f"warning: --profile {ns.profile}: {warning}", file=sys.stderr)
     threads = cost.profile.server.torch_threads or 1
     cfg = SimConfig(null=k, prefill=p, decode=d, policy=ns.policy, seed=ns.seed, host_cores=ns.host_cores,
                     instance_threads=threads)
-    result = calibrate(load_bench(ns.bench_json), cost, cfg, limits, ns.tolerance)
+    result = calibrate(bench, cost, cfg, limits, ns.tolerance)
     result["config"] = {"bench_json": os.path.basename(ns.bench_json), "profile": os.path.basename(ns.profile),
                         "null": k, "prefill": p, "decode": d, "host_cores": ns.host_cores,
                         "instance_threads": threads, "policy": ns.policy, "simulated": True}

@@ -115,10 +115,15 @@ def fail(message: str) -> NoReturn:
     raise SystemExit(2)
 
 
+def layout_names(ns: argparse.Namespace) -> list[str]:
+    """The entries of --layouts, spaces around the commas ignored."""
+    return [x.strip() for x in ns.layouts.split(",")]
+
+
 def static_layouts(ns: argparse.Namespace) -> list[tuple[int, int]]:
     """The PREFILL:DECODE entries of --layouts (static splits searched one by one)."""
     out = []
-    for name in ns.layouts.split(","):
+    for name in layout_names(ns):
         if name in LAYOUT_NAMES:
             continue
         try:
@@ -142,26 +147,52 @@ def check_args(ns: argparse.Namespace) -> None:
         fail("--host-cores must be > 0 (leave it out: every instance has its own cores)")
     if not 0 < ns.target_attainment <= 1:
         fail("--target-attainment must be in (0, 1]")
-    if ns.rate_tolerance <= 0 or ns.tolerance <= 0:
-        fail("--rate-tolerance and --tolerance must be > 0")
-    if ns.split_step < 1 or ns.max_prefill_tokens < 1:
-        fail("--split-step and --max-prefill-tokens must be >= 1")
+    for flag, value in (("--rate-tolerance", ns.rate_tolerance), ("--tolerance", ns.tolerance)):
+        if not value > 0:
+            fail(f"{flag} must be > 0")
+    for flag, value in (("--split-step", ns.split_step), ("--max-prefill-tokens", ns.max_prefill_tokens)):
+        if value < 1:
+            fail(f"{flag} must be >= 1")
     try:
         limits(ns)
         planner_config_from_namespace(ns)
     except ValueError as e:
         fail(str(e))
     for flag, path in (("--output", ns.output), ("--plot", ns.plot)):
-        folder = os.path.dirname(os.path.abspath(path)) if path else ""
-        if path and not os.path.isdir(folder):
-            fail(f"{flag} {path}: no directory {folder}")
+        if path:
+            check_writable(flag, path)
+    if ns.plot and os.path.splitext(ns.plot)[1].lower() not in PLOT_SUFFIXES:
+        fail(f"--plot {ns.plot}: name a {', '.join(PLOT_SUFFIXES)} file")
     if ns.trace and not os.path.exists(ns.trace):
         fail(f"--trace {ns.trace}: not found (an Azure trace CSV, or the directory holding it)")
     if ns.plot and ns.action != "run":
         fail("--plot draws one run: `tidal sim run`")
-    if ns.action == "calibrate" and not (ns.bench_json and os.path.isfile(ns.bench_json)):
-        fail(f"calibrate needs --bench-json, a `tidal bench --output-file` JSON (not found: {ns.bench_json})")
+    if ns.action == "calibrate" and not ns.bench_json:
+        fail("calibrate needs --bench-json, a `tidal bench --output-file` JSON")
+    if ns.action == "calibrate" and not os.path.isfile(ns.bench_json):
+        fail(f"--bench-json {ns.bench_json}: not found")
     static_layouts(ns)
+    if ns.phase_layouts is not None:
+        if not phase_layouts(ns):
+            fail("--phase-layouts: no layout given (P:D:N,P:D:N, one per phase)")
+        if ns.workload not in PHASE_MIXES:
+            fail(f"--phase-layouts needs a workload with phases ({', '.join(PHASE_MIXES)}), not {ns.workload}")
+        if ns.action == "run" and ns.planner != "static":
+            fail("--phase-layouts replaces the planner in a run: leave --planner out")
+
+
+PLOT_SUFFIXES = (".png", ".svg", ".pdf")
+
+
+def check_writable(flag: str, path: str) -> None:
+    """The report can be written at `path`: checked before a run that may take minutes, not after it."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        fail(f"{flag} {path}: no directory {folder}")
+    if os.path.isdir(path):
+        fail(f"{flag} {path}: is a directory; name a file")
+    if not os.access(path if os.path.exists(path) else folder, os.W_OK):
+        fail(f"{flag} {path}: not writable")
 
 
 def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
@@ -173,6 +204,10 @@ def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
         p = n - k - d
     if d is None:
         d = n - k - p
+    if ns.prefill is not None and ns.decode is None and k + p > n:
+        fail(f"--null {k} + --prefill {p} are more than --instances {n}")
+    if ns.decode is not None and ns.prefill is None and k + d > n:
+        fail(f"--null {k} + --decode {d} are more than --instances {n}")
     if min(n, k, p, d) < 0 or k + p + d != n:
         fail(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}, none below 0")
     if not has_path({"null": k, "prefill": p, "decode": d}):
@@ -237,7 +272,8 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
 
 def run_config(ns: argparse.Namespace) -> dict:
     k, p, d = layout(ns)
-    return {"instances": ns.instances, "null": k, "prefill": p, "decode": d, "planner": ns.planner,
+    return {"instances": ns.instances, "null": k, "prefill": p, "decode": d,
+            "planner": "phases" if ns.phase_layouts else ns.planner, "phase_layouts": ns.phase_layouts,
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
             "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
             "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True,
@@ -251,8 +287,11 @@ def planner_flags(ns: argparse.Namespace) -> dict:
 def write_json(obj: Any, path: Optional[str]) -> None:
     data = msgspec.json.format(msgspec.json.encode(obj), indent=2)
     if path:
-        with open(path, "wb") as f:
-            f.write(data + b"\n")
+        try:
+            with open(path, "wb") as f:
+                f.write(data + b"\n")
+        except OSError as e:
+            fail(f"--output {path}: {e.strerror or e}")
     else:
         sys.stdout.write(data.decode() + "\n")
 
@@ -262,6 +301,9 @@ def run_sim(ns: argparse.Namespace) -> int:
     spec = workload_spec(ns)
     try:
         check(spec)
+        if not make_workload(spec):  # also reads --trace: a malformed file is a TraceFormatError
+            fail(f"the workload has no request in its first {ns.duration_s:g} s"
+                 + (f" (--trace {ns.trace})" if ns.trace else ""))
     except ValueError as e:
         fail(str(e))
     cost = load_cost(ns.profile)
@@ -276,11 +318,12 @@ def run_sim(ns: argparse.Namespace) -> int:
         write_json(run_goodput(ns, cost, planner_cost), ns.output)
         return 0
     k, p, d = layout(ns)
-    c = simulate(ns, k, p, d, "phases" if ns.phase_layouts else ns.planner, ns.rate_scale, cost, planner_cost)
+    config = run_config(ns)
+    c = simulate(ns, k, p, d, config["planner"], ns.rate_scale, cost, planner_cost)
     mixes = PHASE_MIXES.get(ns.workload, ("", ""))
     phases = phase_period(spec) if ns.workload in PHASE_MIXES else None
-    write_json(report(c, run_config(ns), virtual_span(spec), phases, mixes), ns.output)
+    write_json(report(c, config, virtual_span(spec), phases, mixes), ns.output)
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
-                         f"{ns.instances} instances, planner {ns.planner}", phases, mixes, virtual_span(spec))
+                         f"{ns.instances} instances, planner {config['planner']}", phases, mixes, virtual_span(spec))
     return 0

@@ -10,7 +10,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import fail, layout, phase_layouts, planner_flags, simulate, static_layouts, workload_spec
+from tidal.sim.cli import (fail, layout, layout_names, phase_layouts, planner_flags, simulate, static_layouts,
+                           workload_spec)
 from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
@@ -98,7 +99,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     n = ns.instances
     _, p0, d0 = layout(ns)
     start = max(ns.rate_scale, 1e-3)
-    which = set(ns.layouts.split(","))
+    which = set(layout_names(ns))
     results: list[dict] = []
     last = [start]
     if "colocated" in which:
