@@ -25,7 +25,7 @@ It never:
 - moves a worker back the way a move went inside the cooldown after that move started or
   ended (no move into a pool that lost a worker, nor out of one that gained a worker, in the
   last `cooldown_s`), nor moves a worker again inside its own cooldown, unless overloaded (the
-  layout it heads for misses the SLOs at every rate, and the target meets them at today's);
+  layout it heads for misses the SLOs at every rate, and the target meets them at some rate);
 - starts a move with `max_concurrent_moves` moves already in flight;
 - shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
 - leaves no usable path: with no null worker, both a prefill and a decode worker must remain;
@@ -429,9 +429,11 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     if target.pools == heading:
         state.committed = None
     # overloaded: the layout heading for misses the SLOs at every rate (its backlog alone breaks them) and the
-    # target meets them at today's. A reversal cooldown that kept the cluster there would cost every request
-    # until it ends (a move toward code-like pools just before a conversation phase, say), so it yields
-    overloaded = current.capacity == 0 and target.capacity >= 1
+    # target meets them at some rate. A reversal cooldown that kept the cluster there would cost every request
+    # until it ends (a move toward code-like pools just before a conversation phase, say), so it yields; also
+    # where the target does not meet today's rate (a conversation phase arriving on the backlog of a code
+    # burst): it serves a share of the requests, the heading layout none
+    overloaded = current.capacity == 0 and target.capacity > 0
     if overloaded:
         cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True)
     pays, what = gain_enough(current, target, cfg.hysteresis)
