@@ -296,11 +296,20 @@ def test_a_run_of_phase_layouts_says_so_in_its_report(tmp_path):
     assert d["moves"]
 
 
+def test_layouts_that_never_meet_the_slos_are_marked_and_none_is_best(tmp_path, capsys):
+    d = sim_json(tmp_path, "never", "goodput", "--instances", "4", "--duration-s", "30", "--ttft-slo-ms", "0.001",
+                 "--layouts", "2:2,colocated")
+    assert [r["goodput_rps"] for r in d["results"]] == [0, 0] and all(r["never_met"] for r in d["results"])
+    assert d["best_static"] is None and not any(r.get("best_static") for r in d["results"])
+    assert "met the SLOs at no rate tried" in capsys.readouterr().err
+
+
 def test_goodput_searches_a_split_named_in_layouts(tmp_path):
     d = sim_json(tmp_path, "named", "goodput", "--instances", "4", "--layouts", "1:2, planner", "--duration-s", "60",
-                 "--rate-tolerance", "0.2")
+                 "--rate-tolerance", "0.2", "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200")
     assert [r["layout"] for r in d["results"]] == ["static 1:2 + 1 null", "planner from 2:2"]
-    assert d["best_static"] == "static 1:2 + 1 null" and d["results"][0]["null"] == 1
+    assert d["results"][0]["goodput_rps"] > 0 and d["results"][0]["null"] == 1
+    assert d["best_static"] == "static 1:2 + 1 null"
 
 
 @pytest.mark.parametrize("flag, value", [("--phase-s", "0"), ("--phase-s", "-5"), ("--duration-s", "0"),

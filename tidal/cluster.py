@@ -243,7 +243,7 @@ def run_cluster(ns: argparse.Namespace) -> int:
                        f"http://{ns.host}:{ns.port}")
         children.append(router)
         _wait_healthy([router], time.time() + 60, stop)
-        print(f"[cluster] router ready at {router.url} ({ns.prefill} prefill, {ns.decode} decode, "
+        print(f"[cluster] serving at {router.url} ({ns.prefill} prefill, {ns.decode} decode, "
               f"{ns.worker} null); Ctrl-C stops everything", flush=True)
         while not stop["signal"]:
             dead = [c for c in children if c.proc.poll() is not None]

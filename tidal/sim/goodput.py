@@ -68,6 +68,10 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
            "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
            "seconds": round(time.perf_counter() - t0, 2)}
+    if scale == 0:  # not even start / 2^12 met them: a layout that cannot serve this workload at all
+        out["never_met"] = True
+        sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs at no rate tried (down to rate scale "
+                         f"{start / 2 ** MAX_DOUBLINGS:g}); its goodput is 0\n")
     if scale >= start * 2 ** MAX_DOUBLINGS:  # every probe met the SLOs: the workload is too small to load it
         out["at_search_limit"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs up to the search's limit (rate scale "
@@ -119,7 +123,10 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
         last[0] = statics[-1]["rate_scale"] or start
     if statics:
         best = max(statics, key=lambda r: r["goodput_rps"])
-        best["best_static"] = True
+        if best["goodput_rps"] > 0:  # no split is "best" where none meets the SLOs at any rate
+            best["best_static"] = True
+        else:
+            best = None
         results += statics
     if "planner" in which:
         start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
