@@ -108,6 +108,13 @@ def test_chunked_prefill_splits_a_long_prompt():
     assert latencies(c) == [(3.0, 0.1)]  # three chunks of 1 s each
 
 
+def test_an_input_longer_than_the_kv_pool_is_rejected_as_the_server_does():
+    """A live server refuses (HTTP 400) an input of more than max_total_tokens - 1 tokens; the others run."""
+    trace = [TraceRequest(0.0, 1000, 2), TraceRequest(0.0, 999, 2), TraceRequest(0.5, 100, 2)]
+    c = Cluster(SimConfig(null=1, prefill=0, decode=0), flat_cost(kv=1000), trace).run()
+    assert [r.outcome for r in c.requests] == ["rejected", "finished", "finished"]
+
+
 # ---------------------------------------------------------------- determinism and conservation
 
 

@@ -173,7 +173,8 @@ class Cluster:
     def _arrive(self, r: SimReq) -> None:
         r.ticket = self.window.arrival(self.now)
         route = plan_route(self.registry, self.policies, "", set())
-        if route is None:
+        # a server refuses (HTTP 400) an input longer than its KV pool less one token (Scheduler._validate)
+        if route is None or r.input_len > self.cost.max_total_tokens - 1:
             self._end(r, "rejected")
             return
         kind, w, d = route
