@@ -296,11 +296,15 @@ def test_bad_files_are_one_clear_line_not_a_traceback(tmp_path, capsys):
         assert message in sim_error(capsys, ["sim", "calibrate", "--bench-json", str(tmp_path / name)])
 
 
-def test_a_run_of_phase_layouts_says_so_in_its_report(tmp_path):
+def test_a_run_of_phase_layouts_says_so_in_its_report(tmp_path, capsys):
     d = sim_json(tmp_path, "phases", "--instances", "4", "--workload", "shift", "--phase-s", "20", "--duration-s", "60",
                  "--phase-layouts", "3:1:0,1:3:0")
     assert d["config"]["planner"] == "phases" and d["config"]["phase_layouts"] == "3:1:0,1:3:0"
     assert d["moves"]
+    s, err = d["summary"], capsys.readouterr().err  # and the run at a glance on stderr, from the same numbers
+    assert (f"tidal sim: {s['requests']} requests ({s['finished']} finished, 0 rejected, 0 unfinished), "
+            f"{s['slo_attainment']:.1%} met both SLOs") in err
+    assert f"; {len(d['moves'])} moves (simulated)" in err
 
 
 def test_layouts_that_never_meet_the_slos_are_marked_and_none_is_best(tmp_path, capsys):

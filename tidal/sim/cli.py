@@ -296,6 +296,18 @@ def write_json(obj: Any, path: Optional[str]) -> None:
         sys.stdout.write(data.decode() + "\n")
 
 
+def one_line(s: dict, moves: int) -> str:
+    """The run at a glance, for stderr: the JSON report can be long."""
+    met = "n/a" if s["slo_attainment"] is None else f"{s['slo_attainment']:.1%}"
+
+    def ms(x: Optional[float]) -> str:
+        return "n/a" if x is None else f"{x:.0f} ms"
+
+    return (f"tidal sim: {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected, "
+            f"{s['unfinished']} unfinished), {met} met both SLOs; TTFT p50 {ms(s['ttft_ms']['p50'])}, "
+            f"TPOT p50 {ms(s['tpot_ms']['p50'])}; {moves} moves (simulated)")
+
+
 def run_sim(ns: argparse.Namespace) -> int:
     check_args(ns)
     spec = workload_spec(ns)
@@ -322,7 +334,9 @@ def run_sim(ns: argparse.Namespace) -> int:
     c = simulate(ns, k, p, d, config["planner"], ns.rate_scale, cost, planner_cost)
     mixes = PHASE_MIXES.get(ns.workload, ("", ""))
     phases = phase_period(spec) if ns.workload in PHASE_MIXES else None
-    write_json(report(c, config, virtual_span(spec), phases, mixes), ns.output)
+    out = report(c, config, virtual_span(spec), phases, mixes)
+    write_json(out, ns.output)
+    sys.stderr.write(one_line(out["summary"], len(c.moves)) + "\n")
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
                          f"{ns.instances} instances, planner {config['planner']}", phases, mixes, virtual_span(spec))
