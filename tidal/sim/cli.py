@@ -163,10 +163,17 @@ def check_args(ns: argparse.Namespace) -> None:
             check_writable(flag, path)
     if ns.plot and os.path.splitext(ns.plot)[1].lower() not in PLOT_SUFFIXES:
         fail(f"--plot {ns.plot}: name a {', '.join(PLOT_SUFFIXES)} file")
+    if ns.trace and ns.workload not in ("azure-code", "azure-conv"):
+        fail(f"--trace replays one Azure trace: --workload azure-code or azure-conv, not {ns.workload} "
+             "(azure-shift takes the shipped traces)")
     if ns.trace and not os.path.exists(ns.trace):
         fail(f"--trace {ns.trace}: not found (an Azure trace CSV, or the directory holding it)")
     if ns.plot and ns.action != "run":
         fail("--plot draws one run: `tidal sim run`")
+    if ns.bench_json and ns.action != "calibrate":
+        fail("--bench-json is read by `tidal sim calibrate` only")
+    if ns.action == "calibrate" and ns.planner != "static":
+        fail("calibrate replays the live run's layout as it was: leave --planner out")
     if ns.action == "calibrate" and not ns.bench_json:
         fail("calibrate needs --bench-json, a `tidal bench --output-file` JSON")
     if ns.action == "calibrate" and not os.path.isfile(ns.bench_json):
