@@ -115,6 +115,17 @@ def test_an_input_longer_than_the_kv_pool_is_rejected_as_the_server_does():
     assert [r.outcome for r in c.requests] == ["rejected", "finished", "finished"]
 
 
+def test_a_workload_past_twice_the_profiles_grid_is_warned_of():
+    from tidal.sim.cli import extrapolation_warnings
+
+    cost = flat_cost()  # prefill measured up to 100000 tokens, decode up to batch 64
+    assert extrapolation_warnings(cost, [TraceRequest(0.0, 250000, 2)], 64) == [
+        "prefill was measured up to 100000 tokens; the workload's prompts reach 250000"]
+    assert extrapolation_warnings(cost, [TraceRequest(0.0, 100, 2)], 200) == [
+        "decode steps were measured up to batch 64; a server runs up to 200"]
+    assert extrapolation_warnings(cost, [TraceRequest(0.0, 150000, 2)], 128) == []  # within twice the grid
+
+
 # ---------------------------------------------------------------- determinism and conservation
 
 

@@ -303,6 +303,34 @@ def write_json(obj: Any, path: Optional[str]) -> None:
         sys.stdout.write(data.decode() + "\n")
 
 
+def extrapolation_warnings(cost: Any, trace: list, max_running_requests: int) -> list[str]:
+    """Where the workload takes the cost model past twice what its profile measured (it extrapolates
+    linearly there: the run's numbers rest on that line)."""
+    p, out = cost.profile, []
+    longest, measured = max(t.input_tokens for t in trace), max(x.tokens for x in p.prefill)
+    if longest > 2 * measured:
+        out.append(f"prefill was measured up to {measured} tokens; the workload's prompts reach {longest}")
+    batch = min(max_running_requests, p.server.max_running_requests or max_running_requests)
+    measured_batch = max(x.batch for x in p.decode)
+    if batch > 2 * measured_batch:
+        out.append(f"decode steps were measured up to batch {measured_batch}; a server runs up to {batch}")
+    return out
+
+
+def check_workload(ns: argparse.Namespace, spec: WorkloadSpec, cost: Any) -> None:
+    """A workload with requests (a malformed --trace is a TraceFormatError), and a warning for each place where
+    it takes the cost model past what the profile measured."""
+    try:
+        trace = make_workload(spec)
+    except ValueError as e:
+        fail(str(e))
+    if not trace:
+        fail(f"the workload has no request in its first {ns.duration_s:g} s"
+             + (f" (--trace {ns.trace})" if ns.trace else ""))
+    for warning in extrapolation_warnings(cost, trace, ns.max_running_requests):
+        sys.stderr.write(f"warning: --profile {ns.profile}: {warning}; the cost model extrapolates\n")
+
+
 def one_line(s: dict, moves: int) -> str:
     """The run at a glance, for stderr: the JSON report can be long."""
     met = "n/a" if s["slo_attainment"] is None else f"{s['slo_attainment']:.1%}"
@@ -320,13 +348,13 @@ def run_sim(ns: argparse.Namespace) -> int:
     spec = workload_spec(ns)
     try:
         check(spec)
-        if not make_workload(spec):  # also reads --trace: a malformed file is a TraceFormatError
-            fail(f"the workload has no request in its first {ns.duration_s:g} s"
-                 + (f" (--trace {ns.trace})" if ns.trace else ""))
     except ValueError as e:
         fail(str(e))
     cost = load_cost(ns.profile)
     planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
+    if ns.action != "calibrate":  # calibrate replays --bench-json, not the workload
+        layout(ns)  # a bad --null/--prefill/--decode before the warnings below
+        check_workload(ns, spec, cost)
     if ns.action == "calibrate":
         from tidal.sim.calibrate import run_calibrate
 
