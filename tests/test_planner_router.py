@@ -194,3 +194,12 @@ def test_static_planner_serves_status_and_never_moves(workers, tmp_path):
     assert status["mode"] == "static" and status["decisions"] == []
     assert status["traffic"]["arrival_rate"] > 0 and status["traffic"]["mean_output_tokens"] == 3
     assert sum(w.switches for w in workers.values()) == 0
+
+
+def test_the_decision_log_line_of_a_layout_with_no_usable_path_says_so():
+    from tidal.planner.loop import _brief
+    from tidal.planner.predict import UNSERVABLE
+    from tidal.planner.schema import Prediction
+
+    assert _brief(Prediction(pools={"null": 0, "prefill": 0, "decode": 0}, paths={}, score=UNSERVABLE)) == \
+        "nothing (no usable path)"

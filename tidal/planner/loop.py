@@ -187,6 +187,8 @@ class PlannerLoop:
 def _brief(pred: Optional[Prediction]) -> str:
     if pred is None:
         return "-"
+    if not pred.paths:  # no usable path: no worker, or a pool without its partner
+        return "nothing (no usable path)"
     paths = ", ".join(f"{k}: TTFT {v.ttft_s * 1000:.0f} ms TPOT {v.tpot_s * 1000:.1f} ms"
                       for k, v in pred.paths.items())
     return f"score {pred.score:.3f} ({paths})"
