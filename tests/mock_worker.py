@@ -5,8 +5,9 @@ asked), "decode" and "null" answer with text/output_ids/meta_info. Every generat
 request is recorded. Knobs (set them from the test thread): `fail_next` (answer the
 next N generation requests with `fail_status`), `reject` (answer 400), `hang_s`
 (sleep before answering), `healthy` (/health status), `load` (/get_load),
-`chunk_delay_s` and `num_chunks` (streaming), `fail_switch` (answer role switches with 500;
-otherwise a switch changes `role` and bumps `epoch`, counted in `switches`).
+`chunk_delay_s` and `num_chunks` (streaming), `fail_switch` (answer role switches with 500),
+`switch_refusal` (answer them with this status and body); otherwise a switch changes `role` and
+bumps `epoch`, counted in `switches`.
 """
 
 from __future__ import annotations
@@ -76,6 +77,7 @@ class MockWorker:
         self.epoch = 0
         self.switches = 0  # role switch requests, failed ones included
         self.fail_switch = False
+        self.switch_refusal: Optional[tuple[int, dict]] = None  # (status, body) answered to every role switch
         self.openai_answers = False  # whole OpenAI answers shaped as a tidal server's: `usage`, no meta_info
         self.server_timing: Optional[str] = None  # a Server-Timing header on every whole answer
         self._server: Optional[uvicorn.Server] = None
@@ -108,6 +110,7 @@ class MockWorker:
         self.fail_next, self.reject, self.hang_s, self.healthy = 0, False, 0.0, True
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
         self.openai_answers, self.server_timing = False, None
+        self.fail_switch, self.switch_refusal = False, None
 
     def generate_requests(self) -> list[dict]:
         return [b for _, b in self.requests]
@@ -230,6 +233,8 @@ class MockWorker:
         async def switch(request: Request) -> Response:
             self.switches += 1
             mode = json.loads(await request.body())["mode"]
+            if self.switch_refusal is not None:
+                return JSONResponse(self.switch_refusal[1], status_code=self.switch_refusal[0])
             if self.fail_switch:
                 return JSONResponse({"status": "error", "message": f"{self.name} refuses to switch",
                                      "current_mode": self.role, "epoch": self.epoch}, status_code=500)

@@ -214,7 +214,21 @@ def test_random_snapshots_respect_minimum_and_usable_path():
         after[dec.dst] += 1
         if dec.src in (PREFILL, DECODE):
             assert after[dec.src] >= minimum
-        assert after[NULL] or (after[PREFILL] and after[DECODE]), (before, after)
+        during = dict(after, **{dec.dst: after[dec.dst] - 1})  # the moving worker serves no pool
+        assert during[NULL] or (during[PREFILL] and during[DECODE]), (before, during)
+
+
+def test_no_move_leaves_nothing_to_route_to_while_it_drains():
+    """A decode worker died: 1 prefill, 0 decode, 1 null, answers starving. Moving the null worker to decode
+    leaves only the prefill worker routable while it drains (a live trial's 503s); the planner does not take
+    it, and the prefill worker may go instead (the null worker serves meanwhile)."""
+    loads = layout(1, 0, 1, null={"running_reqs": 60})
+    d = decide(NOW, cfg(min_per_pool=0), PlannerState(), loads, LONG_ANSWERS, COST)
+    null_to_decode = [x for x in d.candidates if (x.src, x.dst) == (NULL, DECODE)]
+    assert null_to_decode and all(not x.legal and "while it moves" in x.reason for x in null_to_decode)
+    assert d.kind == "hold" or (d.src, d.dst) != (NULL, DECODE), d.reason
+    prefill_out = [x for x in d.candidates if x.src == PREFILL]
+    assert prefill_out and all(x.legal for x in prefill_out)
 
 
 def test_failed_move_backs_off_exponentially_and_is_not_looped():

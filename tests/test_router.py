@@ -313,6 +313,19 @@ def test_null_workers_only_plain_proxy(m):
         assert m["n1"].requests[0][1] == body
 
 
+def test_a_worker_refusing_a_move_is_a_502_with_its_message_and_stays(m):
+    """A worker that refuses the router's admin key: the caller's own key was fine, so not a 401; the
+    message is the worker's text, not a dict's repr."""
+    m["d1"].switch_refusal = (401, {"error": {"message": "Invalid or missing admin key", "type": "AuthenticationError",
+                                              "code": 401}})
+    with pd(m, decode=("d1", "d2")) as r:
+        resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill"})
+        assert [w.url for w in r.state.registry.pool(DECODE)] == [m["d1"].url, m["d2"].url]
+    assert resp.status_code == 502, resp.text
+    assert resp.json()["error"]["message"] == f"worker {m['d1'].url} did not switch to prefill: " \
+                                              "Invalid or missing admin key"
+
+
 def test_add_remove_workers_and_health(m):
     with RouterServer() as r:
         assert httpx.get(r.url + "/health").status_code == 503

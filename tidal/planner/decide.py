@@ -28,7 +28,8 @@ It never:
   layout it heads for misses the SLOs at every rate, and the target meets them at some rate);
 - starts a move with `max_concurrent_moves` moves already in flight;
 - shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
-- leaves no usable path: with no null worker, both a prefill and a decode worker must remain;
+- leaves no usable path, also while the worker moves (it serves no pool until it lands): with no null
+  worker, both a prefill and a decode worker must remain;
 - moves a worker whose last move failed before its backoff (base * 2^(failures-1), capped) ends.
 
 `PlannerState` is the memory between intervals; the caller reports each move's start and
@@ -181,12 +182,15 @@ def has_path(layout: dict[str, int]) -> bool:
     return bool(layout[NULL] or (layout[PREFILL] and layout[DECODE]))
 
 
-def layout_problem(after: dict[str, int], src: str, min_per_pool: int) -> str:
-    """Why the layout `after` (one worker out of `src`) is not allowed ("" when it is)."""
+def layout_problem(pools: dict[str, int], src: str, dst: str, min_per_pool: int) -> str:
+    """Why moving one worker from `src` to `dst` out of `pools` (the workers serving now) is not allowed ("" when
+    it is). A moving worker serves no pool until it lands, so a usable path must remain without it."""
+    after = after_move(pools, src, dst)
     if src in (PREFILL, DECODE) and after[src] < min_per_pool:
         return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
-    if not has_path(after):
-        return "no usable path would remain (a prefill and a decode worker, or a null one)"
+    during = dict(after, **{dst: after[dst] - 1})
+    if not has_path(during):
+        return "no usable path would remain while it moves (a prefill and a decode worker, or a null one)"
     return ""
 
 
@@ -375,7 +379,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
         for dst in MODES:
             if dst == w.mode:
                 continue
-            reason = (blocked or layout_problem(after_move(pools, w.mode, dst), w.mode, cfg.min_per_pool)
+            reason = (blocked or layout_problem(pools, w.mode, dst, cfg.min_per_pool)
                       or ("" if overloaded else state.reversal(now, w.mode, dst, cfg)))
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = rated(predictor, after_move(heading, w.mode, dst), load, traffic)

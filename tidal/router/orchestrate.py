@@ -27,6 +27,13 @@ def _error(message: str, status_code: int, **extra: Any) -> tuple[int, dict]:
     return status_code, {"error": {"message": message, "code": status_code}, **extra}
 
 
+def _worker_message(body: Any, status: int) -> str:
+    """The text of a worker's error answer (`{"message": ...}` or `{"error": {"message": ...}}`)."""
+    body = body if isinstance(body, dict) else {}
+    err = body.get("error")
+    return body.get("message") or (err.get("message") if isinstance(err, dict) else err) or f"HTTP {status}"
+
+
 class RoleMover:
     def __init__(self, st: Any):
         self.st = st
@@ -50,9 +57,9 @@ class RoleMover:
         try:
             status, body = await self._switch(w, mode)
             if status != 200:
-                message = (body or {}).get("message") or (body or {}).get("error") or f"HTTP {status}"
-                return _error(f"worker {url} did not switch to {mode}: {message}", 502 if status == 0 else status,
-                              worker_response=body)
+                return _error(f"worker {url} did not switch to {mode}: {_worker_message(body, status)}",
+                              # the worker refusing the router's key is not the caller's auth failing
+                              502 if status in (0, 401, 403) else status, worker_response=body)
             epoch = body.get("epoch")
             if body.get("current_mode") != mode or (old_epoch is not None and mode != old_mode
                                                     and not (isinstance(epoch, int) and epoch > old_epoch)):
