@@ -78,6 +78,7 @@ class MockWorker:
         self.switches = 0  # role switch requests, failed ones included
         self.fail_switch = False
         self.switch_refusal: Optional[tuple[int, dict]] = None  # (status, body) answered to every role switch
+        self.switch_body: Optional[dict] = None  # the last role switch asked for
         self.openai_answers = False  # whole OpenAI answers shaped as a tidal server's: `usage`, no meta_info
         self.server_timing: Optional[str] = None  # a Server-Timing header on every whole answer
         self._server: Optional[uvicorn.Server] = None
@@ -232,7 +233,8 @@ class MockWorker:
         @app.post("/admin/switch_disaggregation_mode")
         async def switch(request: Request) -> Response:
             self.switches += 1
-            mode = json.loads(await request.body())["mode"]
+            self.switch_body = json.loads(await request.body())
+            mode = self.switch_body["mode"]
             if self.switch_refusal is not None:
                 return JSONResponse(self.switch_refusal[1], status_code=self.switch_refusal[0])
             if self.fail_switch:

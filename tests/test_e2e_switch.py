@@ -3,6 +3,7 @@ cluster moved through every direction by the router under continuous client traf
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -103,3 +104,62 @@ def test_router_moves_workers_through_every_direction_under_traffic():
         router.stop()
         for s in servers:
             s.stop()
+
+
+def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on():
+    """Real servers: B decodes a long answer for A; B switches to prefill with handover while it streams.
+    The switch does not wait for the answer (no drain), B prefills for A (now decode) at once, the answer
+    streams on to the end equal to the colocated one, and the decode role goes once it is done."""
+    a, b = dynamic_server(), dynamic_server()
+    try:
+        n = 320
+        want = gen(a.url, PROMPTS[1], n).json()["output_ids"]
+        assert switch(a.url, "prefill").status_code == 200 and switch(b.url, "decode").status_code == 200
+        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
+        room = 12345
+        sampling = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        body = {"text": PROMPTS[1], "sampling_params": sampling, "bootstrap_host": "127.0.0.1",
+                "bootstrap_port": bport, "bootstrap_room": room}
+        got, first_token = [], threading.Event()
+
+        def stream() -> None:
+            with httpx.stream("POST", b.url + "/generate", json={**body, "stream": True}, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got[:] = json.loads(line[6:])["output_ids"]
+                        first_token.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert httpx.post(a.url + "/generate", json=body, timeout=300).status_code == 200  # A's prefill leg
+        assert first_token.wait(120)
+        r = switch(b.url, "prefill", handover=True, drain=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["current_mode"] == "prefill" and r.json()["timings_ms"]["drain"] == 0.0
+        assert "handover" in r.json()["message"]
+        assert switch(a.url, "decode", drain=True, timeout_s=60).status_code == 200
+        t_switch = time.time()
+        # B prefills for A at once, while its own answer goes on
+        bport_b = httpx.get(b.url + "/server_info").json()["disaggregation_bootstrap_port"]
+        body2 = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+                 "bootstrap_host": "127.0.0.1", "bootstrap_port": bport_b, "bootstrap_room": 777}
+        with httpx.Client(timeout=120) as c:
+            legs = [threading.Thread(target=lambda: c.post(b.url + "/generate", json=body2))]
+            legs[0].start()
+            second = c.post(a.url + "/generate", json=body2)
+            legs[0].join()
+        assert second.status_code == 200, second.text
+        assert t.is_alive(), "the handed-over answer should still be streaming"
+        t.join(300)
+        assert got == want and len(got) == n
+        st = httpx.get(b.url + "/admin/disaggregation_status").json()
+        for _ in range(50):
+            if st["transition_state"] == "IDLE":
+                break
+            time.sleep(0.1)
+            st = httpx.get(b.url + "/admin/disaggregation_status").json()
+        assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
+        assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
+    finally:
+        a.stop()
+        b.stop()

@@ -259,3 +259,142 @@ def test_switch_cycles_leak_no_threads_or_fds():
         assert a.controller.epoch == 93
     finally:
         a.shutdown()
+
+
+# ---------------------------------------------------------------- handover: decode -> prefill / null at once
+
+
+def run_all(scheds: list, out: dict, until, timeout: float = 60.0) -> None:
+    """Step every scheduler (checking pool integrity) until `until()`; out[id(scheduler)][rid]: its outputs."""
+    import time
+
+    deadline = time.time() + timeout
+    while not until():
+        assert time.time() < deadline, [s.role.queue_sizes() for s in scheds]
+        busy = False
+        for s in scheds:
+            busy |= s.step()
+            s.check_integrity()
+            mine = out.setdefault(id(s), {})
+            for o in s.take_outbox():
+                toks, reason = mine.get(o.rid, ([], None))
+                mine[o.rid] = (toks + o.new_token_ids, o.finish_reason or reason)
+        if not busy:
+            time.sleep(0.002)
+
+
+def pd_prompts(port: int, n: int, tag: str, seed: int) -> list[tuple[str, list[int], dict]]:
+    rng = random.Random(seed)
+    return [(f"{tag}{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 40))],
+             dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=rng.randrange(2**63)))
+            for i in range(n)]
+
+
+def send_pd(prefill: Scheduler, decode: Scheduler, reqs, max_new: int) -> None:
+    for rid, p, f in reqs:
+        for s in (prefill, decode):
+            s.handle(GenerateReq(rid=rid, input_ids=p, sampling=SamplingParams(max_new_tokens=max_new, temperature=0),
+                                 **f))
+
+
+def finished(out: dict, sched: Scheduler, reqs) -> bool:
+    """Every one of `reqs` ended on `sched` (its decode side)."""
+    mine = out.get(id(sched), {})
+    return all(rid in mine and mine[rid][1] is not None for rid, *_ in reqs)
+
+
+@pytest.fixture(params=["started", "switched"])
+def trio(request):
+    """P (prefill), D (decode: started as decode, radix cache; or switched from null, no prefix sharing), X
+    (decode)."""
+    ports = [free_port() for _ in range(3)]
+    scheds = [make(ports[0], "prefill"), make(ports[1], "decode" if request.param == "started" else "null"),
+              make(ports[2], "decode")]
+    if request.param == "switched":
+        assert switch(scheds[1], "decode").status_code == 200
+    yield scheds, ports
+    for s in scheds:
+        s.shutdown()
+
+
+def test_a_decode_server_hands_its_answers_over_to_prefill_and_prefills_at_once(trio):
+    """D holds answers being decoded (and two requests whose KV has not come yet) when it switches to
+    prefill with handover: the switch answers at once, D prefills new requests for another decode server
+    while it finishes the old answers, every output equals the reference, and the decode role goes once
+    it holds nothing."""
+    (p, d, x), (pp, pd_port, _) = trio
+    old = pd_prompts(pp, 4, "old", 1)
+    send_pd(p, d, old, 40)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 4 and all(len(r.output_ids) >= 3 for r in d.running))
+    late = pd_prompts(pp, 2, "late", 2)
+    send_pd(p, d, late, 12)
+    d.step()  # the late ones wait in D's queues for their KV, which P has not computed yet
+    assert len(d.role.queued_reqs()) + len(d.role.extra_live_reqs()) == 2
+    epoch = d.controller.epoch
+    r = switch(d, "prefill", handover=True)
+    assert r.status_code == 200 and r.current_mode == "prefill" and r.epoch == epoch + 1, r.message
+    assert "6 requests" in r.message and "handover" in r.message
+    assert d.controller.state.value == "HANDOVER" and d.role.name == "prefill"
+    assert switch(d, "null").status_code == 409  # no second switch until the decode role is gone
+    new = pd_prompts(pd_port, 3, "new", 3)
+    send_pd(d, x, new, 10)  # D is a prefill server now, X its decode partner
+    run_all([p, d, x], out, lambda: finished(out, x, new))
+    assert not finished(out, d, old)  # the new requests finished while D still decoded the old answers
+    run_all([p, d, x], out, lambda: finished(out, d, old + late) and d.controller.state.value == "IDLE")
+    for rid, prompt, _ in old + late + new:
+        n = 40 if rid.startswith("old") else 12 if rid.startswith("late") else 10
+        assert out[id(x if rid.startswith("new") else d)][rid][0] == reference_generate(prompt, n), rid
+    assert type(d.role).__name__ == "PrefillRole" and d.controller.last_timings_ms["handover"] > 0
+    assert d.mem.tree_cache.total_size() > 0  # the handed-over answers' KV went to the radix cache
+    d.check_integrity()
+
+
+def test_a_decode_server_hands_its_answers_over_to_null_and_serves_whole_requests_at_once(trio):
+    (p, d, _), (pp, _, _) = trio
+    old = pd_prompts(pp, 3, "old", 4)
+    send_pd(p, d, old, 30)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 3)
+    r = switch(d, "null", handover=True)
+    assert r.status_code == 200 and r.current_mode == "null", r.message
+    rng = random.Random(5)
+    whole = [(f"w{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 30))]) for i in range(3)]
+    for rid, prompt in whole:
+        d.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=8, temperature=0)))
+    run_all([p, d], out, lambda: finished(out, d, old + whole) and d.controller.state.value == "IDLE")
+    assert all(out[id(d)][rid][0] == reference_generate(prompt, 30) for rid, prompt, _ in old)
+    assert all(out[id(d)][rid][0] == reference_generate(prompt, 8) for rid, prompt in whole)
+    assert type(d.role).__name__ == "NullRole"
+
+
+def test_handover_from_another_role_is_the_usual_switch(pair):
+    """handover applies to a decode server only: a busy null server refuses (503) or drains as before."""
+    a, *_ = pair
+    a.handle(GenerateReq(rid="busy", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=50)))
+    r = switch(a, "prefill", handover=True)
+    assert r.status_code == 503 and "queues not empty" in r.message and a.role.name == "null"
+
+
+def test_handed_over_answers_retracted_under_prefill_are_prefilled_and_decoded_there():
+    """A prefill server whose handed-over answers run out of KV retracts some: they are prefilled again
+    from prompt and output so far and decoded there, to the reference."""
+    pp, dp = free_port(), free_port()
+    p = make(pp, "prefill")
+    args = ServerArgs(model_path="fake", disaggregation_mode="decode", disaggregation_transfer_backend="tcp",
+                      disaggregation_bootstrap_port=dp, chunked_prefill_size=16, num_reserved_decode_tokens=1,
+                      enable_dynamic_disaggregation=True)
+    d = Scheduler(args, FakeModelRunner(max_total_tokens=160), tokenizer=None)
+    try:
+        old = pd_prompts(pp, 4, "old", 6)
+        send_pd(p, d, old, 60)
+        out: dict = {}
+        run_all([p, d], out, lambda: len(d.running) == 4)
+        retracted = d.stats.num_retracted
+        assert switch(d, "prefill", handover=True).status_code == 200
+        run_all([p, d], out, lambda: finished(out, d, old) and d.controller.state.value == "IDLE")
+        assert d.stats.num_retracted > retracted
+        assert all(out[id(d)][rid][0] == reference_generate(prompt, 60) for rid, prompt, _ in old)
+    finally:
+        p.shutdown()
+        d.shutdown()

@@ -203,3 +203,27 @@ def test_the_decision_log_line_of_a_layout_with_no_usable_path_says_so():
 
     assert _brief(Prediction(pools={"null": 0, "prefill": 0, "decode": 0}, paths={}, score=UNSERVABLE)) == \
         "nothing (no usable path)"
+
+
+def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers, tmp_path):
+    """A move through /admin/set_worker_role is known to the planner as its own moves are: the reversal and
+    the worker cooldowns run from it (so the next round does not undo it), and the layout the planner had
+    committed to is dropped."""
+    with router(workers, tmp_path, interval_s=60.0, cooldown_s=30.0, worker_cooldown_s=30.0) as r:
+        planner = r.state.planner
+        planner.state.committed = {"null": 0, "prefill": 2, "decode": 1}
+        d2 = workers["d2"].url
+        resp = r.post("/admin/set_worker_role", {"url": d2, "mode": "prefill"})
+        assert resp.status_code == 200, resp.text
+        now, cfg = planner.clock(), planner.cfg
+        assert planner.state.committed is None and planner.state.in_flight == {}
+        assert "cooldown after a move decode->prefill" in planner.state.reversal(now, "prefill", "decode", cfg)
+        assert planner.state.worker_blocked(now, d2, cfg).startswith("worker cooldown")
+        assert planner.heading_layout() == {"null": 0, "prefill": 2, "decode": 1}
+        status = httpx.get(r.url + "/planner/status").json()
+        assert "decode->prefill" in status["cooldown"]["recent_moves"]
+        assert status["cooldown"]["workers"][d2]["blocked"].startswith("worker cooldown")
+        workers["d1"].fail_switch = True  # a failed hand move backs the worker off, as a failed planner move
+        resp = r.post("/admin/set_worker_role", {"url": workers["d1"].url, "mode": "null"})
+        assert resp.status_code == 500 and planner.state.workers[workers["d1"].url].failures == 1
+    workers["d1"].fail_switch = False

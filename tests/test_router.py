@@ -326,6 +326,43 @@ def test_a_worker_refusing_a_move_is_a_502_with_its_message_and_stays(m):
                                               "Invalid or missing admin key"
 
 
+@pytest.fixture
+def movable(m):
+    """The mocks, their roles and epochs put back after a test that moves them."""
+    yield m
+    for w in m.values():
+        w.role, w.epoch = {"p": "prefill", "d": "decode", "n": "null"}[w.name[0]], 0
+
+
+def test_a_hand_move_that_leaves_nothing_to_route_to_is_refused_unless_forced(movable):
+    """p1 prefill, d1 decode: d1 -> prefill would leave two prefill workers and nothing that decodes (409, the
+    worker untouched); forced, it moves. p1 -> decode leaves two decode workers, which prefill locally: allowed,
+    unless disaggregation is enforced."""
+    m = movable
+    before = {name: w.switches for name, w in m.items()}
+    with pd(m) as r:
+        resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill"})
+        assert resp.status_code == 409, resp.text
+        message = resp.json()["error"]["message"]
+        assert "0 null, 2 prefill, 0 decode" in message and '"force": true' in message
+        assert m["d1"].switches == before["d1"] and [w.url for w in r.state.registry.pool(DECODE)] == [m["d1"].url]
+        resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill", "force": True})
+        assert resp.status_code == 200, resp.text
+        assert m["d1"].switch_body == {"mode": "prefill", "drain": True, "timeout_s": r.cfg.switch_timeout_s,
+                                       "handover": True}
+        assert m["d1"].switches == before["d1"] + 1 and r.state.registry.pool(DECODE) == []
+    with pd(m, decode=("d2",)) as r:
+        assert r.post("/admin/set_worker_role", {"url": m["p1"].url, "mode": "decode"}).status_code == 200
+    m["p1"].role, m["p1"].epoch = "prefill", 0
+    with pd(m, decode=("d2",), enforce_disaggregation=True) as r:
+        resp = r.post("/admin/set_worker_role", {"url": m["p1"].url, "mode": "decode"})
+        assert resp.status_code == 409 and "0 prefill, 2 decode" in resp.json()["error"]["message"]
+        resp = r.post("/admin/set_worker_role", {"url": m["d2"].url, "mode": "null"})
+        assert resp.status_code == 409 and "1 null, 1 prefill, 0 decode" in resp.json()["error"]["message"]
+        assert r.post("/admin/set_worker_role", {"url": m["p1"].url, "mode": "null"}).status_code == 409
+        assert m["p1"].switches == before["p1"] + 1 and m["d2"].switches == before["d2"]
+
+
 def test_add_remove_workers_and_health(m):
     with RouterServer() as r:
         assert httpx.get(r.url + "/health").status_code == 503

@@ -161,23 +161,43 @@ def test_every_request_ends_exactly_once_across_moves():
 
 
 def test_a_drain_longer_than_the_switch_timeout_fails_and_the_worker_stays():
-    """A decode worker busy with a 1000-token answer (100 s at 0.1 s/step) cannot drain in 60 s."""
-    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 1000)])
+    """A null worker busy with a 1000-token answer (100 s at 0.1 s/step) cannot drain in 60 s."""
+    c = Cluster(SimConfig(null=2, prefill=0, decode=0), flat_cost(), [TraceRequest(0.0, 100, 1000)])
     c.at(5.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
     c.run()
     (move,) = c.moves
     assert move.outcome.startswith("failed") and move.ended == pytest.approx(65.0)
-    assert c.registry.get(move.worker).mode == "decode" and c.requests[0].outcome == "finished"
+    assert c.registry.get(move.worker).mode == "null" and c.requests[0].outcome == "finished"
 
 
 def test_a_move_waits_for_the_drain_then_pays_the_switch():
-    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 30)])
+    c = Cluster(SimConfig(null=2, prefill=0, decode=0), flat_cost(), [TraceRequest(0.0, 100, 30)])
     c.at(2.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
     c.run()
     (move,) = c.moves
-    # finished at 1.5 + 29 * 0.1 = 4.4; switch 0.25 s
-    assert (move.outcome, move.drained, move.ended) == ("ok", pytest.approx(4.4), pytest.approx(4.65))
+    # finished at 1.0 (prefill) + 29 * 0.1 = 3.9; switch 0.25 s
+    assert (move.outcome, move.drained, move.ended) == ("ok", pytest.approx(3.9), pytest.approx(4.15))
     assert c.registry.get(move.worker).mode == "prefill"
+
+
+def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
+    """Decode -> prefill drains nothing (the live router asks for a handover): the worker switches at once
+    and finishes its answer as a prefill server; a move of it before that fails as the live worker's 409
+    makes it fail, and one after it succeeds."""
+    # the second request keeps the run going past the third move
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60), TraceRequest(8.5, 100, 30)])
+    worker = []
+    c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "prefill")))
+    c.at(3.0, lambda _: c._start_move(worker[0], "decode"))
+    c.at(9.0, lambda _: c._start_move(worker[0], "decode"))
+    c.run()
+    first, second, third = c.moves
+    assert (first.outcome, first.drained, first.ended) == ("ok", 2.0, pytest.approx(2.25))
+    assert second.outcome.startswith("failed") and "handed over" in second.outcome and second.ended == 3.0
+    r = c.requests[0]
+    assert r.outcome == "finished" and r.generated == 60 and r.finished_at < 9.0
+    assert third.outcome == "ok" and c.registry.get(worker[0]).mode == "decode"
+    assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 
 
 # ---------------------------------------------------------------- the planner in the sim

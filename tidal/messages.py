@@ -62,6 +62,7 @@ class SwitchModeReq(_Msg):
     drain: bool = False
     timeout_s: float = 30.0
     flush_cache: bool = True
+    handover: bool = False  # decode -> prefill / null: the new role serves at once, the answers held go on
 
 
 class PrepareModeReq(_Msg):

@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from tidal.planner.decide import PlannerState, decide, pool_counts
+from tidal.planner.decide import PlannerState, decide, heading_for, pool_counts
 from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, WorkerLoad
 from tidal.planner.window import TrafficWindow
 from tidal.router.workers import MODES, Worker, WorkerRegistry
@@ -151,6 +151,22 @@ class PlannerLoop:
         log("planner: move %s %s->%s %s", d.url, d.src, d.dst, d.outcome)
         if ok:
             self._walk_on()
+
+    # ------------------------------------------------------------ moves by hand
+
+    def heading_layout(self) -> dict[str, int]:
+        """Workers per pool once every move in flight (the planner's and by hand) has landed."""
+        return heading_for(pool_counts(pool_loads(self.st.registry)), self.state)
+
+    def hand_move_started(self, url: str, src: str, dst: str) -> None:
+        """A move through /admin/set_worker_role: in flight like the planner's own, with the same cooldowns
+        (reversal, worker) from its start and end; the planner's target, set before it, is dropped."""
+        self.state.started(self.clock(), url, src, dst)
+        self.state.committed = None
+        logger.info("planner: a move by hand %s %s->%s; its cooldowns start now", url, src, dst)
+
+    def hand_move_finished(self, url: str, ok: bool) -> None:
+        self.state.finished(self.clock(), url, ok, self.cfg)
 
     def _record(self, d: Decision, traffic: Any) -> None:
         m = self.st.metrics

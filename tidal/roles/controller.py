@@ -1,6 +1,8 @@
 """ModeController: switches the scheduler's role at runtime, with drain, epochs and rollback.
 
-States: IDLE -> CHECKING -> (DRAINING) -> SWITCHING -> IDLE, and SWITCHING -> ROLLBACK -> IDLE.
+States: IDLE -> CHECKING -> (DRAINING) -> SWITCHING -> IDLE, and SWITCHING -> ROLLBACK -> IDLE;
+a handover (decode -> prefill or null, `handover: true`): SWITCHING -> HANDOVER -> IDLE, the new
+role serving from HANDOVER on while the decode role finishes what it held (roles/handover.py).
 A switch runs inside the scheduler loop between iterations, never beside a forward pass.
 Nothing of the old role is released until the new one is committed, so a failure at any
 step restores the snapshot exactly: the old role keeps serving, its bootstrap server and
@@ -24,6 +26,7 @@ import msgspec
 
 from tidal.config import DISAGG_MODES
 from tidal.messages import ModeStatusResp, PrepareModeReq, SwitchModeReq, SwitchModeResp
+from tidal.roles.handover import HANDOVER_SOURCES, HANDOVER_TARGETS, HandoverRole
 
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
@@ -43,6 +46,7 @@ class TransitionState(str, enum.Enum):
     DRAINING = "DRAINING"
     SWITCHING = "SWITCHING"
     ROLLBACK = "ROLLBACK"
+    HANDOVER = "HANDOVER"  # switched; the old decode role still finishes its answers
 
 
 class SwitchFailed(Exception):
@@ -57,6 +61,7 @@ class PendingSwitch:
     started: float
     drain_started: float = 0.0
     timings_ms: dict = field(default_factory=dict)
+    handover: bool = False  # the decode role's answers go on under the new role instead of being drained
 
 
 class ModeController:
@@ -71,6 +76,7 @@ class ModeController:
         self.last_timings_ms: dict = {}
         self.idle_roles: dict[str, Any] = {}  # initialized but inactive (pre-warmed or kept)
         self.pending: Optional[PendingSwitch] = None
+        self.handover_started = 0.0
         self.tp = sched.tp
         self.fault_step, self.fault_mode = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
 
@@ -89,7 +95,8 @@ class ModeController:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
         pending = PendingSwitch(msg, time.monotonic())
-        if not self.s.is_idle():
+        pending.handover = msg.handover and self.s.role.name in HANDOVER_SOURCES and msg.mode in HANDOVER_TARGETS
+        if not self._ready(pending):
             if not msg.drain:
                 self._to_idle()
                 return self._reply(msg, 503, f"queues not empty: {self.queue_sizes()}; retry or use drain")
@@ -98,11 +105,21 @@ class ModeController:
             return None
         return self._switch(pending)
 
+    def _ready(self, p: PendingSwitch) -> bool:
+        """Nothing left that the switch must wait for: every request gone, or for a handover only a
+        chunked prefill (its prefix moves to the new prefix cache only once whole)."""
+        if p.handover:
+            return self.s.planner.chunked_req is None
+        return self.s.is_idle()
+
     def _refusal(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
             return 400, "dynamic disaggregation is disabled; start the server with --enable-dynamic-disaggregation"
         if mode not in DISAGG_MODES:
             return 400, f"invalid mode {mode!r}; choose from {list(DISAGG_MODES)}"
+        if self.state == TransitionState.HANDOVER:
+            return 409, (f"the decode role is still finishing the answers it held when this server switched to "
+                         f"{self.s.role.name} (handover); retry when it is done")
         if self.state != TransitionState.IDLE:
             return 409, f"a switch to {self.target} is in progress ({self.state.value})"
         return None
@@ -132,14 +149,20 @@ class ModeController:
                               current_mode=self.s.role.name, epoch=self.epoch)
 
     def on_iteration(self) -> None:
-        """Called once per loop iteration: finish draining, or time out and roll back."""
+        """Called once per loop iteration: finish draining, or time out and roll back; end a handover
+        once the old decode role holds nothing."""
+        if self.state == TransitionState.HANDOVER:
+            if not self._any_rank(not self.s.role.retired()):
+                self._retire()
+            return
         p = self.pending
         if self.state != TransitionState.DRAINING or p is None:
             return
         waited = time.monotonic() - p.drain_started
-        if self.s.is_idle():
+        if self._ready(p):
             self.pending = None
             p.timings_ms["drain"] = round(waited * 1000, 3)
+            self.s.drain()  # a handover waits for no pass; the one in flight is processed first
             self.s.replies.append(self._switch(p))
         elif self._any_rank(waited > p.msg.timeout_s):  # clocks differ: all ranks time out together
             self.pending = None
@@ -159,7 +182,7 @@ class ModeController:
 
         def check() -> None:
             self._fault("check")
-            self._check_quiescent()
+            self._check_quiescent(p.handover)
 
         def cache() -> None:
             made["cache"] = self._cache_for(mode, p.msg.flush_cache)
@@ -192,15 +215,29 @@ class ModeController:
             if failure is not None:
                 return self._rollback(p, failure, old_role, old_cache, made["role"])
         new_role, new_cache = made["role"], made["cache"]
-        self._commit(old_role, old_cache, new_role, new_cache)
+        held = len(s.live_reqs()) + len(s.waiting_queue) + len(old_role.queued_reqs())
+        if p.handover:
+            self._commit_handover(old_role, old_cache, new_role, new_cache)
+        else:
+            self._commit(old_role, old_cache, new_role, new_cache)
         p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
         p.timings_ms.setdefault("drain", 0.0)
         self.last_timings_ms = dict(p.timings_ms)
         self.last_error = None
-        logger.info("switched %s -> %s (epoch %d) in %.1f ms", old_role.name, mode, self.epoch, p.timings_ms["switch"])
-        return self._reply(p.msg, 200, f"switched from {old_role.name} to {mode}", p.timings_ms)
+        logger.info("switched %s -> %s (epoch %d) in %.1f ms%s", old_role.name, mode, self.epoch,
+                    p.timings_ms["switch"], f"; the decode role finishes its {held} requests" if p.handover else "")
+        text = f"switched from {old_role.name} to {mode}"
+        if p.handover:
+            text += f"; the {held} requests the decode role held finish under {mode} (handover)"
+        return self._reply(p.msg, 200, text, p.timings_ms)
 
-    def _check_quiescent(self) -> None:
+    def _check_quiescent(self, handover: bool) -> None:
+        """Nothing runs (a handover: no pass or chunked prefill in flight; the requests it hands over keep
+        their locks in a prefix cache that stays, and hold none in one that is replaced)."""
+        if handover:
+            if self.s.inflight is not None or self.s.planner.chunked_req is not None:
+                raise SwitchFailed("a pass or a chunked prefill is in flight", 503)
+            return
         if not self.s.is_idle():
             raise SwitchFailed(f"queues not empty: {self.queue_sizes()}", 503)
         if self.s.mem.tree_cache.protected_size() > 0:
@@ -234,6 +271,36 @@ class ModeController:
             self.idle_roles[old_role.name] = old_role
         else:
             old_role.shutdown()
+        self._to_idle()
+
+    def _commit_handover(self, old_role, old_cache, new_role, new_cache) -> None:
+        """The new role serves from now on; the decode role stays beside it with what it holds. Its
+        requests were placed under a prefix cache without sharing: under the new radix cache they own
+        all their KV and lock nothing (the tree takes it when they end)."""
+        s = self.s
+        if new_cache is not None:
+            old_cache.flush()  # a cache without sharing holds nothing
+            s.set_cache(new_cache)
+            for req in [*s.live_reqs(), *s.waiting_queue, *old_role.queued_reqs()]:
+                req.last_node = new_cache.root_node
+                req.prefix_indices = req.prefix_indices[:0]
+        s.role = HandoverRole(s, new_role, old_role)
+        self.epoch += 1
+        self.state, self.target = TransitionState.HANDOVER, None
+        self.handover_started = time.monotonic()
+
+    def _retire(self) -> None:
+        """The decode role of a handover holds nothing more: it goes."""
+        s, role = self.s, self.s.role
+        s.role = role.new
+        role.old.deactivate()
+        if self.keep_components:
+            self.idle_roles[role.old.name] = role.old
+        else:
+            role.old.shutdown()
+        self.last_timings_ms["handover"] = round((time.monotonic() - self.handover_started) * 1000, 3)
+        logger.info("handover to %s done: the decode role finished its requests in %.1f s", role.name,
+                    self.last_timings_ms["handover"] / 1000)
         self._to_idle()
 
     def _agree(self, step: str, error: Optional[Exception]) -> Optional[tuple[str, int]]:

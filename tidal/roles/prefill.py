@@ -102,6 +102,8 @@ class PrefillRole:
 
     def _send_chunk(self, req: Req) -> None:
         """A chunk finished: send its whole pages now, so transfer overlaps the next chunk."""
+        if req.pd is None:
+            return  # handed over by a decode role (roles/handover.py): its KV stays here
         pages = page_indices(self.s, req, req.pd.pages_sent, req.kv_len, include_partial=False)
         if len(pages):
             req.pd.peer.send(pages, is_last=False)
@@ -112,6 +114,9 @@ class PrefillRole:
         from tidal.transfer import MetadataRecord
 
         s = self.s
+        if req.pd is None:  # handed over by a decode role (roles/handover.py) and retracted: decoded here
+            s.planner.start_decoding(req)
+            return
         s.mem.cache_unfinished(req)
         if req.to_abort:
             self._release_metadata(req)

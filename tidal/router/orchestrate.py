@@ -2,7 +2,13 @@
 
 The worker leaves its pool first (no new requests reach it), is asked to drain and
 switch, and joins the new pool only after it reports the new mode with a larger epoch.
-On any failure it returns to its old pool unchanged.
+On any failure it returns to its old pool unchanged. A decode worker moving to prefill or
+null drains nothing: it hands its answers over (tidal/roles/handover.py) and decodes them
+to the end while it serves its new pool.
+
+A move by hand is refused (409) when the layout it leads to could route nothing where the one
+the router heads for could, unless the body says `"force": true`; it starts the planner's
+cooldowns as the planner's own moves do, so the planner does not undo it at its next round.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import aiohttp
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from tidal.router.workers import MODES, PREFILL, Worker
+from tidal.router.workers import DECODE, MODES, NULL, PREFILL, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -38,20 +44,48 @@ class RoleMover:
     def __init__(self, st: Any):
         self.st = st
 
-    async def move(self, url: str, mode: str) -> Response:
-        """The HTTP answer of `move_result`."""
+    async def hand_move(self, url: str, mode: str, force: bool) -> Response:
+        """A move asked for through the API: checked against the layout it leads to, known to the planner."""
+        w: Worker = self.st.registry.get(url)
+        refusal = self._refusal(w, url, mode) or (None if force else self._no_route_after(w, mode))
+        if refusal is not None:
+            return _json(refusal[1], refusal[0])
+        planner = self.st.planner
+        planner.hand_move_started(url, w.mode, mode)
         status, body = await self.move_result(url, mode)
+        planner.hand_move_finished(url, status == 200)
         return _json(body, status)
 
-    async def move_result(self, url: str, mode: str) -> tuple[int, dict]:
-        """(HTTP status, JSON body): 200 and the new mode, or an error with the worker left where it was."""
-        w: Worker = self.st.registry.get(url)
+    def _refusal(self, w: Worker, url: str, mode: str) -> "tuple[int, dict] | None":
         if w is None:
             return _error(f"unknown worker {url}", 404)
         if mode not in MODES:
             return _error(f"invalid mode {mode!r}; choose from {list(MODES)}", 400)
         if w.switching:
             return _error(f"worker {url} is already being moved", 409)
+        return None
+
+    def _no_route_after(self, w: Worker, mode: str) -> "tuple[int, dict] | None":
+        """409 when moving `w` to `mode` leaves a layout that can route nothing, where the layout the
+        router heads for (every move in flight landed) can."""
+        heading = self.st.planner.heading_layout()
+        after = dict(heading)
+        if w.healthy and not w.switching:
+            after[w.mode] -= 1
+            after[mode] += 1
+        enforce = self.st.cfg.enforce_disaggregation
+        if mode == w.mode or not routable(heading, enforce) or routable(after, enforce):
+            return None
+        layout = ", ".join(f"{n} {m}" for m, n in after.items())
+        return _error(f"moving {w.url} to {mode} would leave {layout}: no worker could serve a request; "
+                      f"send \"force\": true to move it anyway", 409)
+
+    async def move_result(self, url: str, mode: str) -> tuple[int, dict]:
+        """(HTTP status, JSON body): 200 and the new mode, or an error with the worker left where it was."""
+        w: Worker = self.st.registry.get(url)
+        refusal = self._refusal(w, url, mode)
+        if refusal is not None:
+            return refusal
         old_mode, old_epoch = w.mode, w.epoch
         w.switching = True
         try:
@@ -74,7 +108,8 @@ class RoleMover:
 
     async def _switch(self, w: Worker, mode: str) -> tuple[int, Any]:
         timeout_s = self.st.cfg.switch_timeout_s
-        payload = {"mode": mode, "drain": True, "timeout_s": timeout_s}
+        # handover: a decode worker serves its new pool at once and finishes its answers there
+        payload = {"mode": mode, "drain": True, "timeout_s": timeout_s, "handover": True}
         try:
             async with self.st.session.post(w.url + "/admin/switch_disaggregation_mode", json=payload,
                                             headers=self.st.worker_admin_headers(),
@@ -99,9 +134,19 @@ class RoleMover:
         w.reports_epoch = isinstance(epoch, int)
 
 
+def routable(layout: dict[str, int], enforce_disaggregation: bool) -> bool:
+    """The router can send a request somewhere (as `WorkerRegistry.has_usable_path`, on counts): a prefill
+    and a decode worker, or, unless disaggregation is enforced, a null or a decode worker (which prefills
+    locally)."""
+    if layout[PREFILL] and layout[DECODE]:
+        return True
+    return not enforce_disaggregation and bool(layout[NULL] or layout[DECODE])
+
+
 class SetRoleBody(msgspec.Struct):
     url: str
     mode: str
+    force: bool = False
 
 
 def add_orchestration_routes(app: FastAPI) -> None:
@@ -110,6 +155,6 @@ def add_orchestration_routes(app: FastAPI) -> None:
         try:
             body = msgspec.json.decode(await request.body(), type=SetRoleBody)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:
-            status, err = _error(f"body must be {{\"url\": ..., \"mode\": ...}}: {e}", 400)
+            status, err = _error(f"body must be {{\"url\": ..., \"mode\": ..., \"force\": false}}: {e}", 400)
             return _json(err, status)
-        return await request.app.state.router.mover.move(body.url.strip().rstrip("/"), body.mode)
+        return await request.app.state.router.mover.hand_move(body.url.strip().rstrip("/"), body.mode, body.force)

@@ -21,6 +21,7 @@ class SwitchBody(BaseModel):
     drain: bool = False
     timeout_s: float = 30.0
     flush_cache: bool = True
+    handover: bool = False
 
 
 class RoleSwitchBody(BaseModel):  # SGLang's /pd_role_switch
@@ -44,18 +45,19 @@ def _switch_response(resp: Any) -> Response:
     return JSONResp(body, status_code=code, headers=headers)
 
 
-async def _switch(request: Request, mode: str, drain: bool, timeout_s: float, flush_cache: bool) -> Response:
+async def _switch(request: Request, mode: str, drain: bool, timeout_s: float, flush_cache: bool,
+                  handover: bool = False) -> Response:
     if not 0 < timeout_s <= 3600:
         raise ApiError(f"timeout_s must be in (0, 3600], got {timeout_s}")
     tm = request.app.state.ctx.tm
-    return _switch_response(await tm.switch_mode(mode, drain, timeout_s, flush_cache))
+    return _switch_response(await tm.switch_mode(mode, drain, timeout_s, flush_cache, handover))
 
 
 def add_admin_api(app: FastAPI) -> None:
     @app.post("/admin/switch_disaggregation_mode")
     async def switch_mode(request: Request) -> Response:
         body = parse_body(SwitchBody, await request.body())
-        return await _switch(request, body.mode, body.drain, body.timeout_s, body.flush_cache)
+        return await _switch(request, body.mode, body.drain, body.timeout_s, body.flush_cache, body.handover)
 
     @app.post("/pd_role_switch")
     async def pd_role_switch(request: Request) -> Response:

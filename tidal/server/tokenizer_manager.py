@@ -566,9 +566,10 @@ class TokenizerManager:
         finally:
             self._rpcs.pop(call_id, None)
 
-    async def switch_mode(self, mode: str, drain: bool, timeout_s: float, flush_cache: bool) -> SwitchModeResp:
+    async def switch_mode(self, mode: str, drain: bool, timeout_s: float, flush_cache: bool,
+                          handover: bool = False) -> SwitchModeResp:
         resp = await self._call(SwitchModeReq, timeout_s + RPC_TIMEOUT_S, mode=mode, drain=drain,
-                                timeout_s=timeout_s, flush_cache=flush_cache)
+                                timeout_s=timeout_s, flush_cache=flush_cache, handover=handover)
         self.mode, self.epoch = resp.current_mode, resp.epoch
         return resp
 

@@ -17,7 +17,9 @@ every instance has its own cores, as in a cluster of many hosts.
 
 A move follows the live drain-switch path: the worker leaves every pool, finishes what it
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
-the router's switch timeout fails the move and the worker returns to its pool.
+the router's switch timeout fails the move and the worker returns to its pool. A decode
+worker moving to prefill or null hands its answers over as the live router asks it to: it
+switches at once and finishes them in its new role; a move of a worker still doing so fails.
 """
 
 from __future__ import annotations
@@ -186,6 +188,7 @@ class Cluster:
             r.path, r.prefill_url, r.decode_url = PD_PATH, w.url, d.url
             self.registry.begin(d)
             self.instances[d.url].receive(r)
+            self.instances[d.url].pd_decodes += 1
         else:
             r.path, r.decode_url = NULL_PATH, w.url
         self._wake(inst)
@@ -257,7 +260,7 @@ class Cluster:
                 continue
             if r.generated == 0:
                 r.generated = 1  # the prefill samples the first token
-            if inst.mode == PREFILL:
+            if inst.mode == PREFILL and r.decode_url != inst.url:  # else handed over, retracted: decoded here
                 inst.sending += 1
                 self.at(self.now + self.cost.kv_transfer_seconds(r.input_len), self._transferred, r)
                 continue
@@ -309,6 +312,7 @@ class Cluster:
     def _finish(self, inst: SimInstance, r: SimReq) -> None:
         inst.free(r)
         inst.assigned -= 1
+        inst.pd_decodes -= r.path == PD_PATH
         self.registry.end(self.registry.get(inst.url))
         ttft, tpot = self.ttft_tpot(r)
         self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
@@ -382,8 +386,16 @@ class Cluster:
         self.moves.append(move)
         self._moving[url] = move
         self._record_pools()
+        inst = self.instances[url]
+        if inst.handing_over():  # the worker refuses a switch (409) until its old answers are done
+            self.at(self.now, self._refused, move)
+            return
+        if move.src == DECODE and dst in (PREFILL, NULL):  # a handover: nothing to drain
+            move.drained = self.now
+            self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
+            return
         self.at(self.now + self.cfg.switch_timeout_s, self._drain_timeout, move)
-        self._check_drain(self.instances[url])
+        self._check_drain(inst)
 
     def _check_drain(self, inst: SimInstance) -> None:
         move = self._moving.get(inst.url)
@@ -396,6 +408,9 @@ class Cluster:
         inst.mode = move.dst
         self.registry.set_mode(move.worker, move.dst)
         self._end_move(move, "ok")
+
+    def _refused(self, move: Move) -> None:
+        self._end_move(move, "failed: the worker still finishes the answers it handed over (409)")
 
     def _drain_timeout(self, move: Move) -> None:
         if move.drained is None:

@@ -4,7 +4,8 @@ Each step is what the live scheduler's loop does once (tidal/scheduler/batching.
 prefill batch when one can be formed, chosen by the live admission code
 (`PrefillAdder` + `admit_waiting`, chunked at --chunked-prefill-size), else one decode step
 of the running batch. A prefill-mode server only prefills: a prefilled request's KV goes
-to its decode server (kv_transfer_seconds) and is freed here once sent. A decode-mode
+to its decode server (kv_transfer_seconds) and is freed here once sent; one that was a
+decode server finishes the answers it held (a handover) in every other step. A decode-mode
 server admits transferred requests into its running batch while KV and the running limit
 allow (the first token is emitted then). Step durations come from the cost model.
 
@@ -117,6 +118,8 @@ class SimInstance:
         self.chunked: Optional[SimReq] = None
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
+        self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
+        self.answers_next = False  # a prefill server finishing handed-over answers: they take the next step
         self.prompts_received = self.prompt_tokens_received = 0  # as the live scheduler counts them
         self.new_token_ratio = limits.init_ratio
         self.step: Optional[Step] = None
@@ -157,12 +160,30 @@ class SimInstance:
 
     # ------------------------------------------------------------ choosing the next step
 
+    def handing_over(self) -> bool:
+        """Switched from decode to prefill or null with answers still to finish (live: roles/handover.py)."""
+        return self.mode != DECODE and self.pd_decodes > 0
+
     def next_step(self) -> Optional[Step]:
-        if self.mode == DECODE:
+        if self.mode == DECODE or self.arrived:
             self._admit_arrived()
+        if self.mode == PREFILL and self.running:
+            return self._handover_step()
         step = self._prefill_step()
         if step is None and self.mode != PREFILL:
             step = self._decode_step()
+        return step
+
+    def _handover_step(self) -> Optional[Step]:
+        """A prefill server's handed-over answers take every other step while prompts wait, every step when
+        none do."""
+        if self.answers_next:
+            self.answers_next = False
+            return self._decode_step()
+        step = self._prefill_step()
+        if step is None:
+            return self._decode_step()
+        self.answers_next = True
         return step
 
     def _prefill_step(self) -> Optional[Step]:
