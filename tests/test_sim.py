@@ -196,6 +196,7 @@ def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
     assert second.outcome.startswith("failed") and "handed over" in second.outcome and second.ended == 3.0
     r = c.requests[0]
     assert r.outcome == "finished" and r.generated == 60 and r.finished_at < 9.0
+    assert first.handed_over == r.finished_at  # the move's handover lasted until its answer ended
     assert third.outcome == "ok" and c.registry.get(worker[0]).mode == "decode"
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 

@@ -90,6 +90,7 @@ class Move:
     drained: Optional[float] = None
     ended: Optional[float] = None
     outcome: str = ""
+    handed_over: Optional[float] = None  # a handover: when the worker had finished the answers it held
 
 
 class Cluster:
@@ -313,6 +314,9 @@ class Cluster:
         inst.free(r)
         inst.assigned -= 1
         inst.pd_decodes -= r.path == PD_PATH
+        if inst.handover_move is not None and not inst.handing_over():
+            inst.handover_move.handed_over = self.now
+            inst.handover_move = None
         self.registry.end(self.registry.get(inst.url))
         ttft, tpot = self.ttft_tpot(r)
         self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
@@ -406,6 +410,10 @@ class Cluster:
     def _switched(self, move: Move) -> None:
         inst = self.instances[move.worker]
         inst.mode = move.dst
+        if inst.handing_over():
+            inst.handover_move = move
+        elif move.src == DECODE:
+            move.handed_over = self.now
         self.registry.set_mode(move.worker, move.dst)
         self._end_move(move, "ok")
 

@@ -120,6 +120,7 @@ class SimInstance:
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
         self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
         self.answers_next = False  # a prefill server finishing handed-over answers: they take the next step
+        self.handover_move: Any = None  # the move whose answers this server still finishes
         self.prompts_received = self.prompt_tokens_received = 0  # as the live scheduler counts them
         self.new_token_ratio = limits.init_ratio
         self.step: Optional[Step] = None

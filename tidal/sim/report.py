@@ -52,6 +52,7 @@ def moves(c: Cluster) -> list[dict]:
         d = dataclasses.asdict(m)
         d["drain_s"] = None if m.drained is None else round(m.drained - m.started, 6)
         d["total_s"] = None if m.ended is None else round(m.ended - m.started, 6)
+        d["handover_s"] = None if m.handed_over is None else round(m.handed_over - m.started, 6)
         out.append(d)
     return out
 
