@@ -7,14 +7,17 @@ before) and, through the scheduler's running batch, the answers being decoded. T
 controller drops it once it holds nothing (`retired`).
 
 Under null the running batch is null's own: null decodes it as it decodes every request.
-Under prefill, which runs prefill passes only, the handed-over answers get every other
-pass while prompts wait, and every pass when none do; a handed-over request that goes
-back to the waiting queue (retracted) is prefilled and decoded here (PrefillRole serves a
-request without a PD partner that way).
+Under prefill, which runs prefill passes only, the handed-over answers get as much time as
+the prompts while prompts wait (after a prefill pass, decode passes until they have taken
+as long), and every pass when none do: a prefill pass takes many decode steps' time, so
+alternating pass for pass would stretch their time per token by that much. A handed-over
+request that goes back to the waiting queue (retracted) is prefilled and decoded here
+(PrefillRole serves a request without a PD partner that way).
 """
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any, Optional
 
 from tidal.model.forward_batch import ForwardMode
@@ -32,7 +35,8 @@ class HandoverRole:
     def __init__(self, sched: "Scheduler", new: Any, old: Any) -> None:
         self.s, self.new, self.old = sched, new, old
         self.name = new.name
-        self._answers_next = False  # prefill: the handed-over answers run the next pass
+        self.answers_owed_s = 0.0  # prefill: decode time the handed-over answers are owed
+        self._batch_started = 0.0
 
     @property
     def transfer(self) -> Any:
@@ -48,23 +52,25 @@ class HandoverRole:
     def next_batch(self) -> Optional[ScheduleBatch]:
         if self.name == "null":
             return self.new.next_batch()
+        self._batch_started = time.monotonic()
         planner = self.s.planner
-        if self._answers_next:
-            self._answers_next = False
-            batch = planner.new_decode_batch()
-            if batch is not None:
-                return batch
-        batch = self.new.next_batch()
-        if batch is not None:
-            self._answers_next = bool(self.s.running)
-            return batch
-        return planner.new_decode_batch()
+        batch = planner.new_decode_batch() if self.answers_owed_s > 0 else None
+        if batch is None:
+            batch = self.new.next_batch() or planner.new_decode_batch()
+        if not self.s.running:
+            self.answers_owed_s = 0.0
+        return batch
 
     def process_result(self, batch: ScheduleBatch, result) -> None:
+        took = time.monotonic() - self._batch_started  # the pass ran in between (prefill: never overlapped)
         if batch.mode is ForwardMode.DECODE:
             self.s.planner.process_result(batch, result)
+            if self.name != "null":
+                self.answers_owed_s = max(self.answers_owed_s - took, 0.0)
         else:
             self.new.process_result(batch, result)
+            if self.s.running:
+                self.answers_owed_s += took
 
     def retired(self) -> bool:
         """The decode role holds nothing, and (under prefill) no handed-over request is left."""

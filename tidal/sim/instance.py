@@ -5,7 +5,7 @@ prefill batch when one can be formed, chosen by the live admission code
 (`PrefillAdder` + `admit_waiting`, chunked at --chunked-prefill-size), else one decode step
 of the running batch. A prefill-mode server only prefills: a prefilled request's KV goes
 to its decode server (kv_transfer_seconds) and is freed here once sent; one that was a
-decode server finishes the answers it held (a handover) in every other step. A decode-mode
+decode server finishes the answers it held (a handover), with as much time as its prompts. A decode-mode
 server admits transferred requests into its running batch while KV and the running limit
 allow (the first token is emitted then). Step durations come from the cost model.
 
@@ -119,7 +119,7 @@ class SimInstance:
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
         self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
-        self.answers_next = False  # a prefill server finishing handed-over answers: they take the next step
+        self.answers_owed_s = 0.0  # a prefill server finishing handed-over answers: decode time they are owed
         self.handover_move: Any = None  # the move whose answers this server still finishes
         self.prompts_received = self.prompt_tokens_received = 0  # as the live scheduler counts them
         self.new_token_ratio = limits.init_ratio
@@ -170,21 +170,24 @@ class SimInstance:
             self._admit_arrived()
         if self.mode == PREFILL and self.running:
             return self._handover_step()
+        self.answers_owed_s = 0.0
         step = self._prefill_step()
         if step is None and self.mode != PREFILL:
             step = self._decode_step()
         return step
 
     def _handover_step(self) -> Optional[Step]:
-        """A prefill server's handed-over answers take every other step while prompts wait, every step when
-        none do."""
-        if self.answers_next:
-            self.answers_next = False
-            return self._decode_step()
-        step = self._prefill_step()
+        """A prefill server's handed-over answers get as much time as the prompts while prompts wait (after a
+        prefill step, decode steps until they have taken as long), every step when none do."""
+        step = self._decode_step() if self.answers_owed_s > 0 else None
         if step is None:
-            return self._decode_step()
-        self.answers_next = True
+            step = self._prefill_step()
+        if step is None:
+            step = self._decode_step()
+        if step.kind == "prefill":
+            self.answers_owed_s += step.seconds
+        else:
+            self.answers_owed_s = max(self.answers_owed_s - step.seconds, 0.0)
         return step
 
     def _prefill_step(self) -> Optional[Step]:
