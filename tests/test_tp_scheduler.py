@@ -249,3 +249,51 @@ def test_poll_agreement_fences_failures():
     assert [p.aborted for p in mine] == [False, False, False, True]
     assert poll_and_all_reduce(mine, _Comm([S, S, F, F])) == [S, T, F, F]  # now both sides stopped
     assert poll_and_all_reduce(mine[:2], None) == [S, T]
+
+
+def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
+    """TP decode server B hands its answers over to prefill while they decode: every rank builds the same
+    batches (rank 0's clock decides when the answers are owed time), B prefills for A (now decode) at once,
+    and every output equals the reference."""
+    a, b, pa, pb = pair
+    assert switch(a, "prefill").status_code == 200 and switch(b, "decode").status_code == 200
+    old = prompts_for(7, 3)
+    rng = random.Random(7)
+    for i, p in enumerate(old):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pa, bootstrap_room=rng.randrange(2**63))
+        for g in (a, b):
+            g.handle(GenerateReq(rid=f"old{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=40, temperature=0),
+                                 **f))
+    deadline = time.time() + 60
+    while len(b.lead.running) < 3:
+        assert time.time() < deadline
+        for g in (a, b):
+            g.each(lambda s: s.step())
+    got: dict = {}
+    for o in b.lead.take_outbox():
+        got.setdefault(o.rid, []).extend(o.new_token_ids)
+    for s in b.ranks[1:]:
+        s.take_outbox()
+    r = switch(b, "prefill", handover=True)
+    assert r.status_code == 200 and "handover" in r.message, r.message
+    assert modes(b) == [("prefill", 2)] * TP
+    reply = switch(a, "decode", drain=True, timeout_s=30)  # after its transfers in flight
+    while reply is None:
+        assert time.time() < deadline
+        for g in (a, b):
+            g.each(lambda s: s.step())
+        replies = a.replies()
+        reply = replies[0] if replies else None
+    assert reply.status_code == 200 and modes(a) == [("decode", 2)] * TP
+    new = prompts_for(8, 2)
+    for i, p in enumerate(new):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pb, bootstrap_room=rng.randrange(2**63))
+        for g in (b, a):
+            g.handle(GenerateReq(rid=f"new{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=8, temperature=0),
+                                 **f))
+    bout, aout = run([b, a])
+    for rid, toks in got.items():
+        bout[rid] = (toks + bout.get(rid, ([], None))[0], bout[rid][1])
+    assert [bout[f"old{i}"][0] for i in range(3)] == [reference_generate(p, 40) for p in old]
+    assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]
+    assert b.each(lambda s: (s.controller.state.value, type(s.role).__name__)) == [("IDLE", "PrefillRole")] * TP

@@ -54,12 +54,19 @@ class HandoverRole:
             return self.new.next_batch()
         self._batch_started = time.monotonic()
         planner = self.s.planner
-        batch = planner.new_decode_batch() if self.answers_owed_s > 0 else None
+        batch = planner.new_decode_batch() if self._answers_first() else None
         if batch is None:
             batch = self.new.next_batch() or planner.new_decode_batch()
         if not self.s.running:
             self.answers_owed_s = 0.0
         return batch
+
+    def _answers_first(self) -> bool:
+        """The answers are owed time; with TP, rank 0's clock decides (every rank builds the same batch)."""
+        owed = self.answers_owed_s > 0
+        if self.s.tp.size == 1:
+            return owed
+        return bool(self.s.tp.all_gather_ints([int(owed)])[0, 0])
 
     def process_result(self, batch: ScheduleBatch, result) -> None:
         took = time.monotonic() - self._batch_started  # the pass ran in between (prefill: never overlapped)
