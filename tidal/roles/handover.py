@@ -80,14 +80,16 @@ class HandoverRole:
                 self.answers_owed_s += took
 
     def retired(self) -> bool:
-        """The decode role holds nothing, and (under prefill) no handed-over request is left."""
+        """The decode role holds nothing, and (under prefill) no handed-over request is left: a request
+        without a PD partner that is not an embedding (those are computed here in every role)."""
         if not self.old.is_idle():
             return False
         if self.name == "null":
             return True
         s = self.s
-        return not s.running and all(getattr(r, "pd", None) is not None for r in s.waiting_queue) \
-            and (s.planner.chunked_req is None or s.planner.chunked_req.pd is not None)
+        chunked = s.planner.chunked_req
+        mine = [r for r in s.waiting_queue + ([chunked] if chunked is not None else []) if not r.is_embedding]
+        return not s.running and all(r.pd is not None for r in mine)
 
     def abort(self, rid: str, abort_all: bool) -> None:
         self.old.abort(rid, abort_all)
