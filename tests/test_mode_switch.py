@@ -398,3 +398,37 @@ def test_handed_over_answers_retracted_under_prefill_are_prefilled_and_decoded_t
     finally:
         p.shutdown()
         d.shutdown()
+
+
+def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio):
+    """During a handover to prefill a switch without drain is 409; with drain it waits until the decode role
+    is gone (a second one meanwhile is 409), then drains and runs; one whose timeout passes first gets 504
+    and the handover goes on. (To null a handover ends as soon as the decode role's own queues are empty:
+    null decodes the answers as its own.)"""
+    import time
+
+    (p, d, _), (pp, _, _) = trio
+    old = pd_prompts(pp, 2, "old", 9)
+    send_pd(p, d, old, 60)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 2)
+    assert switch(d, "prefill", handover=True).status_code == 200
+    assert switch(d, "null", drain=True, timeout_s=0.01) is None
+    time.sleep(0.05)
+    d.step()
+    (r,) = d.take_replies()
+    assert r.status_code == 504 and "handover" in r.message and d.controller.state.value == "HANDOVER"
+    assert switch(d, "decode", drain=True, timeout_s=60) is None
+    second = switch(d, "null", drain=True)
+    assert second.status_code == 409 and "already waits" in second.message
+    replies = []
+
+    def done() -> bool:
+        replies.extend(d.take_replies())
+        return bool(replies)
+
+    run_all([p, d], out, done)
+    (r,) = replies
+    assert r.status_code == 200 and r.current_mode == "decode" and r.timings_ms["drain"] > 0, r.message
+    assert finished(out, d, old) and type(d.role).__name__ == "DecodeRole"
+    assert all(out[id(d)][rid][0] == reference_generate(prompt, 60) for rid, prompt, _ in old)

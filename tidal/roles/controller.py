@@ -76,6 +76,7 @@ class ModeController:
         self.last_timings_ms: dict = {}
         self.idle_roles: dict[str, Any] = {}  # initialized but inactive (pre-warmed or kept)
         self.pending: Optional[PendingSwitch] = None
+        self.queued: Optional[PendingSwitch] = None  # a drained switch asked for during a handover
         self.handover_started = 0.0
         self.tp = sched.tp
         self.fault_step, self.fault_mode = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
@@ -87,22 +88,38 @@ class ModeController:
     # ------------------------------------------------------------------ requests
 
     def on_switch(self, msg: SwitchModeReq) -> Optional[SwitchModeResp]:
-        """Start a switch; the reply now, or None when it will come after draining."""
-        refusal = self._refusal(msg.mode)
-        if refusal is not None:
-            return self._reply(msg, *refusal)
+        """Start a switch; the reply now, or None when it will come after draining (asked with drain during
+        a handover: after the handover, then the drain)."""
+        invalid = self._invalid(msg.mode)
+        if invalid is not None:
+            return self._reply(msg, *invalid)
+        if self.state == TransitionState.HANDOVER and msg.drain and self.queued is None:
+            now = time.monotonic()
+            self.queued = PendingSwitch(msg, now, drain_started=now)
+            logger.info("a switch to %s waits for the handover to end (timeout %.1fs)", msg.mode, msg.timeout_s)
+            return None
+        busy = self._busy()
+        if busy is not None:
+            return self._reply(msg, *busy)
+        return self._begin(msg, time.monotonic(), None)
+
+    def _begin(self, msg: SwitchModeReq, started: float, drain_started: Optional[float]) -> Optional[SwitchModeResp]:
+        """The switch from an idle controller; `drain_started`: when its wait began (a switch queued behind a
+        handover), which its drain timeout counts from."""
         if msg.mode == self.s.role.name:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
-        pending = PendingSwitch(msg, time.monotonic())
+        pending = PendingSwitch(msg, started, drain_started=drain_started or time.monotonic())
         pending.handover = msg.handover and self.s.role.name in HANDOVER_SOURCES and msg.mode in HANDOVER_TARGETS
         if not self._ready(pending):
             if not msg.drain:
                 self._to_idle()
                 return self._reply(msg, 503, f"queues not empty: {self.queue_sizes()}; retry or use drain")
-            self.state, pending.drain_started, self.pending = TransitionState.DRAINING, time.monotonic(), pending
+            self.state, self.pending = TransitionState.DRAINING, pending
             logger.info("draining for a switch to %s (timeout %.1fs)", msg.mode, msg.timeout_s)
             return None
+        if drain_started is not None:
+            pending.timings_ms["drain"] = round((time.monotonic() - drain_started) * 1000, 3)
         return self._switch(pending)
 
     def _ready(self, p: PendingSwitch) -> bool:
@@ -113,13 +130,21 @@ class ModeController:
         return self.s.is_idle()
 
     def _refusal(self, mode: str) -> Optional[tuple[int, str]]:
+        return self._invalid(mode) or self._busy()
+
+    def _invalid(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
             return 400, "dynamic disaggregation is disabled; start the server with --enable-dynamic-disaggregation"
         if mode not in DISAGG_MODES:
             return 400, f"invalid mode {mode!r}; choose from {list(DISAGG_MODES)}"
+        return None
+
+    def _busy(self) -> Optional[tuple[int, str]]:
         if self.state == TransitionState.HANDOVER:
+            queued = f"; a switch to {self.queued.msg.mode} already waits for it" if self.queued else \
+                "; retry when it is done, or ask with drain to wait for it"
             return 409, (f"the decode role is still finishing the answers it held when this server switched to "
-                         f"{self.s.role.name} (handover); retry when it is done")
+                         f"{self.s.role.name} (handover){queued}")
         if self.state != TransitionState.IDLE:
             return 409, f"a switch to {self.target} is in progress ({self.state.value})"
         return None
@@ -152,8 +177,18 @@ class ModeController:
         """Called once per loop iteration: finish draining, or time out and roll back; end a handover
         once the old decode role holds nothing."""
         if self.state == TransitionState.HANDOVER:
+            q = self.queued
             if not self._any_rank(not self.s.role.retired()):
                 self._retire()
+                self.queued = None
+                if q is not None:
+                    reply = self._begin(q.msg, q.started, q.drain_started)
+                    if reply is not None:
+                        self.s.replies.append(reply)
+            elif q is not None and self._any_rank(time.monotonic() - q.drain_started > q.msg.timeout_s):
+                self.queued = None
+                self.s.replies.append(self._reply(q.msg, 504, f"the handover did not end within {q.msg.timeout_s}s; "
+                                                              f"still serving as {self.s.role.name}"))
             return
         p = self.pending
         if self.state != TransitionState.DRAINING or p is None:

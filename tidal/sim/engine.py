@@ -19,7 +19,8 @@ A move follows the live drain-switch path: the worker leaves every pool, finishe
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool. A decode
 worker moving to prefill or null hands its answers over as the live router asks it to: it
-switches at once and finishes them in its new role; a move of a worker still doing so fails.
+switches at once and finishes them in its new role; a move of a worker still doing so waits
+for them as a drain (the live worker holds a drained switch until its handover ends).
 """
 
 from __future__ import annotations
@@ -391,9 +392,6 @@ class Cluster:
         self._moving[url] = move
         self._record_pools()
         inst = self.instances[url]
-        if inst.handing_over():  # the worker refuses a switch (409) until its old answers are done
-            self.at(self.now, self._refused, move)
-            return
         if move.src == DECODE and dst in (PREFILL, NULL):  # a handover: nothing to drain
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
@@ -416,9 +414,6 @@ class Cluster:
             move.handed_over = self.now
         self.registry.set_mode(move.worker, move.dst)
         self._end_move(move, "ok")
-
-    def _refused(self, move: Move) -> None:
-        self._end_move(move, "failed: the worker still finishes the answers it handed over (409)")
 
     def _drain_timeout(self, move: Move) -> None:
         if move.drained is None:
