@@ -101,15 +101,15 @@ class ModeController:
         busy = self._busy()
         if busy is not None:
             return self._reply(msg, *busy)
-        return self._begin(msg, time.monotonic(), None)
+        return self._begin(msg, None)
 
-    def _begin(self, msg: SwitchModeReq, started: float, drain_started: Optional[float]) -> Optional[SwitchModeResp]:
+    def _begin(self, msg: SwitchModeReq, drain_started: Optional[float]) -> Optional[SwitchModeResp]:
         """The switch from an idle controller; `drain_started`: when its wait began (a switch queued behind a
         handover), which its drain timeout counts from."""
         if msg.mode == self.s.role.name:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
-        pending = PendingSwitch(msg, started, drain_started=drain_started or time.monotonic())
+        pending = PendingSwitch(msg, time.monotonic(), drain_started=drain_started or time.monotonic())
         pending.handover = msg.handover and self.s.role.name in HANDOVER_SOURCES and msg.mode in HANDOVER_TARGETS
         if not self._ready(pending):
             if not msg.drain:
@@ -182,7 +182,7 @@ class ModeController:
                 self._retire()
                 self.queued = None
                 if q is not None:
-                    reply = self._begin(q.msg, q.started, q.drain_started)
+                    reply = self._begin(q.msg, q.drain_started)
                     if reply is not None:
                         self.s.replies.append(reply)
             elif q is not None and self._any_rank(time.monotonic() - q.drain_started > q.msg.timeout_s):
