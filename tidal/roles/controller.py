@@ -58,7 +58,6 @@ class SwitchFailed(Exception):
 @dataclass
 class PendingSwitch:
     msg: SwitchModeReq
-    started: float
     drain_started: float = 0.0
     timings_ms: dict = field(default_factory=dict)
     handover: bool = False  # the decode role's answers go on under the new role instead of being drained
@@ -95,7 +94,7 @@ class ModeController:
             return self._reply(msg, *invalid)
         if self.state == TransitionState.HANDOVER and msg.drain and self.queued is None:
             now = time.monotonic()
-            self.queued = PendingSwitch(msg, now, drain_started=now)
+            self.queued = PendingSwitch(msg, drain_started=now)
             logger.info("a switch to %s waits for the handover to end (timeout %.1fs)", msg.mode, msg.timeout_s)
             return None
         busy = self._busy()
@@ -109,7 +108,7 @@ class ModeController:
         if msg.mode == self.s.role.name:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
-        pending = PendingSwitch(msg, time.monotonic(), drain_started=drain_started or time.monotonic())
+        pending = PendingSwitch(msg, drain_started=drain_started or time.monotonic())
         pending.handover = msg.handover and self.s.role.name in HANDOVER_SOURCES and msg.mode in HANDOVER_TARGETS
         if not self._ready(pending):
             if not msg.drain:
