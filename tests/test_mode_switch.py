@@ -146,12 +146,12 @@ def test_injected_failure_at_each_step_rolls_back(pair, step):
     assert switch(b, "decode").status_code == 200
     serve_pd(a, b, pa, n=2)
     tree_before = a.mem.tree_cache.total_size()
-    a.controller.fault_step = step
+    a.controller.faults.step = step
     r = switch(a, "decode")
     assert r.status_code >= 500 and step in r.message and "rolled back" in r.message
     assert a.role.name == "prefill" and a.controller.epoch == 1
     assert a.mem.tree_cache.total_size() == tree_before  # cache as before
-    a.controller.fault_step = None
+    a.controller.faults.step = None
     serve_pd(a, b, pa, n=2)  # still serving as prefill, bootstrap server still up
     st = a.controller.status(1)
     assert st.last_error and st.transition_state == "IDLE"

@@ -1136,3 +1136,23 @@ def test_planner_config_names_the_one_bad_flag_nan_included(field, value, says):
     with pytest.raises(ValueError, match=says.replace(".", r"\.")):
         PlannerConfig(mode="sla", **{field: value})
     assert PlannerConfig(mode="sla", cooldown_s=float("inf"), worker_cooldown_s=float("inf")).cooldown_s == math.inf
+
+
+def test_tidal_cluster_passes_every_planner_flag_to_its_router():
+    """`planner_argv` (the router's command line under `tidal cluster`) carries every planner setting."""
+    import argparse
+
+    from tidal.planner.flags import add_planner_args, planner_argv, planner_config_from_namespace
+
+    def parse(argv: list[str]) -> argparse.Namespace:
+        p = argparse.ArgumentParser()
+        add_planner_args(p)
+        return p.parse_args(argv)
+
+    ns = parse(["--planner", "sla", "--ttft-slo-ms", "900", "--tpot-slo-ms", "90", "--planner-interval-s", "2",
+                "--planner-cooldown-s", "7", "--planner-worker-cooldown-s", "11", "--planner-min-per-pool", "2",
+                "--planner-max-concurrent-moves", "3", "--planner-window-s", "20", "--planner-burst-window-s", "60",
+                "--planner-hysteresis", "0.1", "--planner-decode-move", "drain"])
+    want = planner_config_from_namespace(ns)
+    assert want.decode_move == "drain" and want != PlannerConfig(mode="sla")
+    assert planner_config_from_namespace(parse(planner_argv(ns))) == want

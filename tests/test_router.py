@@ -15,6 +15,7 @@ import pytest
 import uvicorn
 
 from mock_worker import MockWorker, free_port
+from tidal.planner.schema import PlannerConfig
 from tidal.router.app import create_router_app
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher, merge_logprobs, request_text
@@ -361,6 +362,15 @@ def test_a_hand_move_that_leaves_nothing_to_route_to_is_refused_unless_forced(mo
         assert resp.status_code == 409 and "1 null, 1 prefill, 0 decode" in resp.json()["error"]["message"]
         assert r.post("/admin/set_worker_role", {"url": m["p1"].url, "mode": "null"}).status_code == 409
         assert m["p1"].switches == before["p1"] + 1 and m["d2"].switches == before["d2"]
+
+
+def test_a_router_set_to_drain_decode_workers_asks_for_no_handover(movable):
+    m = movable
+    with pd(m, decode=("d1", "d2"), planner=PlannerConfig(decode_move="drain")) as r:
+        resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill"})
+        assert resp.status_code == 200, resp.text
+        assert m["d1"].switch_body == {"mode": "prefill", "drain": True, "timeout_s": r.cfg.switch_timeout_s,
+                                       "handover": False}
 
 
 def test_add_remove_workers_and_health(m):

@@ -200,6 +200,19 @@ def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 
 
+def test_a_decode_worker_set_to_drain_switches_once_its_answer_ends():
+    """`--planner-decode-move drain`: the decode worker leaves its pool, finishes its answer, then switches."""
+    cfg = SimConfig(prefill=1, decode=2, planner=PlannerConfig(decode_move="drain"))
+    c = Cluster(cfg, flat_cost(), [TraceRequest(0.0, 100, 60)])
+    c.at(2.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
+    c.run()
+    (move,) = c.moves
+    r = c.requests[0]
+    assert r.outcome == "finished" and r.generated == 60
+    assert (move.outcome, move.drained, move.handover, move.handed_over) == ("ok", r.finished_at, False, None)
+    assert move.ended == pytest.approx(r.finished_at + 0.25)
+
+
 # ---------------------------------------------------------------- the planner in the sim
 
 

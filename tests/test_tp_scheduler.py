@@ -148,7 +148,7 @@ def test_tp_all_six_directions_with_pd_between_tp_servers(pair):
 def test_a_fault_on_one_rank_rolls_back_every_rank(pair, step, rank):
     a, b, pa, _ = pair
     assert switch(b, "decode").status_code == 200
-    a.ranks[rank].controller.fault_step = step
+    a.ranks[rank].controller.faults.step = step
     r = switch(a, "prefill")
     assert r.status_code == 500, r.message
     assert f"TP rank {rank}" in r.message and step in r.message and "rolled back" in r.message
@@ -159,7 +159,7 @@ def test_a_fault_on_one_rank_rolls_back_every_rank(pair, step, rank):
         probe.bind(("127.0.0.1", pa))
         probe.listen()
     serve_colocated(a)
-    a.ranks[rank].controller.fault_step = None
+    a.ranks[rank].controller.faults.step = None
     assert switch(a, "prefill").status_code == 200
     assert modes(a) == [("prefill", 1)] * TP
     assert_pd_exact(serve_pd(a, b, pa, n=2))

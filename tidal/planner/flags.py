@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tidal.planner.decide import MEETS_TODAY_GAIN
-from tidal.planner.schema import MIN_INTERVAL_S, PLANNER_MODES, PlannerConfig
+from tidal.planner.schema import DECODE_MOVES, MIN_INTERVAL_S, PLANNER_MODES, PlannerConfig
 
 # (flag, namespace attribute) of every planner flag that takes a value, for the pass-through
 VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--tpot-slo-ms", "tpot_slo_ms"),
@@ -15,7 +15,7 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
                ("--planner-window-s", "planner_window_s"),
                ("--planner-burst-window-s", "planner_burst_window_s"), ("--planner-hysteresis", "planner_hysteresis"),
-               ("--planner-profile", "planner_profile"))
+               ("--planner-decode-move", "planner_decode_move"), ("--planner-profile", "planner_profile"))
 
 
 PROFILE_HELP = ("a `tidal profile` JSON: predict with its cost model (default: none; then the planner scales the "
@@ -56,6 +56,10 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
                         f"both SLOs hold) by this fraction before the planner heads for it; "
                         f"{MEETS_TODAY_GAIN * 100:g}%% when it meets today's rate and the current layout does not "
                         f"(default: {d.hysteresis:g})")
+    g.add_argument("--planner-decode-move", choices=DECODE_MOVES, default=d.decode_move,
+                   help=f"how a decode worker moves to prefill or null, by the planner or by hand: handover "
+                        f"switches it at once and it finishes its answers in the new role beside the new work; "
+                        f"drain switches it once its answers have ended (default: {d.decode_move})")
     g.add_argument("--planner-profile", default=None, metavar="PATH", help=profile_help)
 
 
@@ -64,7 +68,8 @@ def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
                          interval_s=ns.planner_interval_s, cooldown_s=ns.planner_cooldown_s,
                          worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
                          max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s,
-                         burst_window_s=ns.planner_burst_window_s, hysteresis=ns.planner_hysteresis)
+                         burst_window_s=ns.planner_burst_window_s, hysteresis=ns.planner_hysteresis,
+                         decode_move=ns.planner_decode_move)
 
 
 def planner_argv(ns: argparse.Namespace) -> list[str]:

@@ -11,6 +11,7 @@ PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (NULL, PREFILL, DECODE)
 PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
 PLANNER_MODES = ("static", "sla", "advise")
+DECODE_MOVES = ("handover", "drain")  # how a decode worker leaves its pool (PlannerConfig.decode_move)
 MIN_INTERVAL_S = 0.1  # the shortest --planner-interval-s
 
 
@@ -123,10 +124,15 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     burst_window_s: float = 300.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
+    # a decode worker moved to prefill or null: "handover" switches it at once and it finishes its answers in
+    # the new role (roles/handover.py); "drain" switches it once they have ended
+    decode_move: str = "handover"
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
             raise ValueError(f"--planner must be one of {', '.join(PLANNER_MODES)}, got {self.mode!r}")
+        if self.decode_move not in DECODE_MOVES:
+            raise ValueError(f"--planner-decode-move must be one of {', '.join(DECODE_MOVES)}, got {self.decode_move!r}")
         # `not x > 0` (not `x <= 0`) so that NaN is refused too; infinity only where it means "never"
         for flag, value in (("--ttft-slo-ms", self.ttft_slo_s * 1000), ("--tpot-slo-ms", self.tpot_slo_s * 1000),
                             ("--planner-window-s", self.window_s), ("--planner-burst-window-s", self.burst_window_s)):

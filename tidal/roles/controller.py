@@ -17,28 +17,19 @@ from __future__ import annotations
 
 import enum
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-import msgspec
-
 from tidal.config import DISAGG_MODES
 from tidal.messages import ModeStatusResp, PrepareModeReq, SwitchModeReq, SwitchModeResp
 from tidal.roles.handover import HANDOVER_SOURCES, HANDOVER_TARGETS, HandoverRole
+from tidal.roles.ranks import FaultInjector, SwitchFailed, agree, any_rank
 
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
-
-# test hook: the step that fails (check, cache, init, bootstrap, commit): STEP[@RANK][>MODE],
-# e.g. "init" (every rank, every switch), "init@1" (TP rank 1 only), "init@1>null" (only
-# switches to null)
-FAULT_ENV = "TIDAL_SWITCH_FAULT"
-FAULT_STEPS = ("check", "cache", "init", "bootstrap", "commit")
-
 
 class TransitionState(str, enum.Enum):
     IDLE = "IDLE"
@@ -47,12 +38,6 @@ class TransitionState(str, enum.Enum):
     SWITCHING = "SWITCHING"
     ROLLBACK = "ROLLBACK"
     HANDOVER = "HANDOVER"  # switched; the old decode role still finishes its answers
-
-
-class SwitchFailed(Exception):
-    def __init__(self, message: str, status_code: int = 500):
-        super().__init__(message)
-        self.status_code = status_code
 
 
 @dataclass
@@ -78,7 +63,7 @@ class ModeController:
         self.queued: Optional[PendingSwitch] = None  # a drained switch asked for during a handover
         self.handover_started = 0.0
         self.tp = sched.tp
-        self.fault_step, self.fault_mode = _fault_for_rank(os.environ.get(FAULT_ENV) or "", self.tp.rank)
+        self.faults = FaultInjector.from_env(self.tp.rank, self.tp.size)
 
     @property
     def admitting(self) -> bool:
@@ -93,8 +78,7 @@ class ModeController:
         if invalid is not None:
             return self._reply(msg, *invalid)
         if self.state == TransitionState.HANDOVER and msg.drain and self.queued is None:
-            now = time.monotonic()
-            self.queued = PendingSwitch(msg, drain_started=now)
+            self.queued = PendingSwitch(msg, drain_started=time.monotonic())
             logger.info("a switch to %s waits for the handover to end (timeout %.1fs)", msg.mode, msg.timeout_s)
             return None
         busy = self._busy()
@@ -128,9 +112,6 @@ class ModeController:
             return self.s.planner.chunked_req is None
         return self.s.is_idle()
 
-    def _refusal(self, mode: str) -> Optional[tuple[int, str]]:
-        return self._invalid(mode) or self._busy()
-
     def _invalid(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
             return 400, "dynamic disaggregation is disabled; start the server with --enable-dynamic-disaggregation"
@@ -150,44 +131,28 @@ class ModeController:
 
     def on_prepare(self, msg: PrepareModeReq) -> SwitchModeResp:
         """Initialize a role's components now so a later switch to it is fast."""
-        refusal = self._refusal(msg.mode)
+        refusal = self._invalid(msg.mode) or self._busy()
         if refusal is not None:
-            return SwitchModeResp(call_id=msg.call_id, status_code=refusal[0], status="error", message=refusal[1],
-                                  current_mode=self.s.role.name, epoch=self.epoch)
+            return self._reply(msg, *refusal)
         if msg.mode != self.s.role.name and msg.mode not in self.idle_roles:
             role, error = None, None
             try:
                 role = self._build_role(msg.mode, activate=False)
             except Exception as e:
                 error = e
-            failure = self._agree("prepare", error)
-            if failure is None:
-                self.idle_roles[msg.mode] = role
-            else:
+            failure = agree(self.tp, "prepare", error)
+            if failure is not None:
                 if role is not None:
                     role.shutdown()
-                return SwitchModeResp(call_id=msg.call_id, status_code=500, status="error",
-                                      message=f"preparing {msg.mode} failed{failure[0]}", current_mode=self.s.role.name,
-                                      epoch=self.epoch)
-        return SwitchModeResp(call_id=msg.call_id, status_code=200, status="ok", message=f"{msg.mode} prepared",
-                              current_mode=self.s.role.name, epoch=self.epoch)
+                return self._reply(msg, 500, f"preparing {msg.mode} failed{failure[0]}")
+            self.idle_roles[msg.mode] = role
+        return self._reply(msg, 200, f"{msg.mode} prepared")
 
     def on_iteration(self) -> None:
         """Called once per loop iteration: finish draining, or time out and roll back; end a handover
         once the old decode role holds nothing."""
         if self.state == TransitionState.HANDOVER:
-            q = self.queued
-            if not self._any_rank(not self.s.role.retired()):
-                self._retire()
-                self.queued = None
-                if q is not None:
-                    reply = self._begin(q.msg, q.drain_started)
-                    if reply is not None:
-                        self.s.replies.append(reply)
-            elif q is not None and self._any_rank(time.monotonic() - q.drain_started > q.msg.timeout_s):
-                self.queued = None
-                self.s.replies.append(self._reply(q.msg, 504, f"the handover did not end within {q.msg.timeout_s}s; "
-                                                              f"still serving as {self.s.role.name}"))
+            self._during_handover()
             return
         p = self.pending
         if self.state != TransitionState.DRAINING or p is None:
@@ -198,12 +163,27 @@ class ModeController:
             p.timings_ms["drain"] = round(waited * 1000, 3)
             self.s.drain()  # a handover waits for no pass; the one in flight is processed first
             self.s.replies.append(self._switch(p))
-        elif self._any_rank(waited > p.msg.timeout_s):  # clocks differ: all ranks time out together
+        elif any_rank(self.tp, waited > p.msg.timeout_s):  # clocks differ: all ranks time out together
             self.pending = None
             self._to_idle()
             self.last_error = f"drain timed out after {p.msg.timeout_s}s"
             self.s.replies.append(self._reply(p.msg, 504, f"{self.last_error}; rolled back, still serving as "
                                                           f"{self.s.role.name}"))
+
+    def _during_handover(self) -> None:
+        """Retire the decode role once every rank finds it holds nothing, then start the switch queued
+        behind it; a queued switch that waited past its timeout is answered 504."""
+        q = self.queued
+        if not any_rank(self.tp, not self.s.role.retired()):
+            self._retire()
+            self.queued = None
+            reply = None if q is None else self._begin(q.msg, q.drain_started)
+            if reply is not None:
+                self.s.replies.append(reply)
+        elif q is not None and any_rank(self.tp, time.monotonic() - q.drain_started > q.msg.timeout_s):
+            self.queued = None
+            self.s.replies.append(self._reply(q.msg, 504, f"the handover did not end within {q.msg.timeout_s}s; "
+                                                          f"still serving as {self.s.role.name}"))
 
     # ------------------------------------------------------------------ the switch
 
@@ -215,16 +195,16 @@ class ModeController:
         made: dict[str, Any] = {"role": None, "cache": None}
 
         def check() -> None:
-            self._fault("check")
+            self.faults.check("check", self.target)
             self._check_quiescent(p.handover)
 
         def cache() -> None:
             made["cache"] = self._cache_for(mode, p.msg.flush_cache)
-            self._fault("cache")
+            self.faults.check("cache", self.target)
 
         def init() -> None:
             made["role"] = self.idle_roles.pop(mode, None) or self._build_role(mode, activate=False)
-            self._fault("init")
+            self.faults.check("init", self.target)
 
         def bootstrap() -> None:
             # prefill: rank 0 starts the bootstrap server (port in use = failure); after
@@ -234,10 +214,10 @@ class ModeController:
 
         def activate() -> None:
             made["role"].activate()
-            self._fault("bootstrap")
+            self.faults.check("bootstrap", self.target)
 
         def commit() -> None:
-            self._fault("commit")
+            self.faults.check("commit", self.target)
 
         for step in (check, cache, init, bootstrap, activate, commit):
             error = None
@@ -245,24 +225,20 @@ class ModeController:
                 step()
             except Exception as e:
                 error = e
-            failure = self._agree(step.__name__, error)
+            failure = agree(self.tp, step.__name__, error)
             if failure is not None:
                 return self._rollback(p, failure, old_role, old_cache, made["role"])
         new_role, new_cache = made["role"], made["cache"]
         held = len(s.live_reqs()) + len(s.waiting_queue) + len(old_role.queued_reqs())
-        if p.handover:
-            self._commit_handover(old_role, old_cache, new_role, new_cache)
-        else:
-            self._commit(old_role, old_cache, new_role, new_cache)
+        self._commit(p, old_role, old_cache, new_role, new_cache)
         p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
         p.timings_ms.setdefault("drain", 0.0)
         self.last_timings_ms = dict(p.timings_ms)
         self.last_error = None
-        logger.info("switched %s -> %s (epoch %d) in %.1f ms%s", old_role.name, mode, self.epoch,
-                    p.timings_ms["switch"], f"; the decode role finishes its {held} requests" if p.handover else "")
         text = f"switched from {old_role.name} to {mode}"
         if p.handover:
             text += f"; the {held} requests the decode role held finish under {mode} (handover)"
+        logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
         return self._reply(p.msg, 200, text, p.timings_ms)
 
     def _check_quiescent(self, handover: bool) -> None:
@@ -293,69 +269,42 @@ class ModeController:
 
         return create_role(mode, self.s, activate=activate)
 
-    def _commit(self, old_role, old_cache, new_role, new_cache) -> None:
+    def _commit(self, p: PendingSwitch, old_role, old_cache, new_role, new_cache) -> None:
+        """The new role serves from now on. After a handover the decode role stays beside it with what it
+        holds: its requests were placed under a prefix cache without sharing, so under a new radix cache
+        they own all their KV and lock nothing (the tree takes it when they end)."""
         s = self.s
         if new_cache is not None:
-            old_cache.flush()  # frees its slots; it held no locks (checked)
+            old_cache.flush()  # frees its slots; it held no locks (checked), or nothing (without sharing)
             s.set_cache(new_cache)
-        s.role = new_role
         self.epoch += 1
-        old_role.deactivate()
-        if self.keep_components:
-            self.idle_roles[old_role.name] = old_role
-        else:
-            old_role.shutdown()
-        self._to_idle()
-
-    def _commit_handover(self, old_role, old_cache, new_role, new_cache) -> None:
-        """The new role serves from now on; the decode role stays beside it with what it holds. Its
-        requests were placed under a prefix cache without sharing: under the new radix cache they own
-        all their KV and lock nothing (the tree takes it when they end)."""
-        s = self.s
-        if new_cache is not None:
-            old_cache.flush()  # a cache without sharing holds nothing
-            s.set_cache(new_cache)
-            for req in [*s.live_reqs(), *s.waiting_queue, *old_role.queued_reqs()]:
-                req.last_node = new_cache.root_node
-                req.prefix_indices = req.prefix_indices[:0]
+        if not p.handover:
+            s.role = new_role
+            self._dispose(old_role)
+            self._to_idle()
+            return
         s.role = HandoverRole(s, new_role, old_role)
-        self.epoch += 1
+        if new_cache is not None:
+            s.role.reroot(new_cache.root_node)
         self.state, self.target = TransitionState.HANDOVER, None
         self.handover_started = time.monotonic()
 
     def _retire(self) -> None:
         """The decode role of a handover holds nothing more: it goes."""
-        s, role = self.s, self.s.role
-        s.role = role.new
-        role.old.deactivate()
-        if self.keep_components:
-            self.idle_roles[role.old.name] = role.old
-        else:
-            role.old.shutdown()
+        role = self.s.role
+        self.s.role = role.new
+        self._dispose(role.old)
         self.last_timings_ms["handover"] = round((time.monotonic() - self.handover_started) * 1000, 3)
         logger.info("handover to %s done: the decode role finished its requests in %.1f s", role.name,
                     self.last_timings_ms["handover"] / 1000)
         self._to_idle()
 
-    def _agree(self, step: str, error: Optional[Exception]) -> Optional[tuple[str, int]]:
-        """Every rank's outcome of a step: None if all succeeded, else (why, HTTP status) of
-        the lowest failing rank, the same on every rank."""
-        if self.tp.size == 1:
-            if error is None:
-                return None
-            return f": {error}", error.status_code if isinstance(error, SwitchFailed) else 500
-        mine = b"" if error is None else msgspec.json.encode(
-            [str(error), error.status_code if isinstance(error, SwitchFailed) else 500])
-        for rank, outcome in enumerate(self.tp.all_gather_bytes(mine)):
-            if outcome:
-                why, code = msgspec.json.decode(outcome)
-                return f" on TP rank {rank} at step {step!r}: {why}", int(code)
-        return None
-
-    def _any_rank(self, flag: bool) -> bool:
-        if self.tp.size == 1:
-            return flag
-        return bool(self.tp.all_gather_ints([int(flag)]).any())
+    def _dispose(self, role) -> None:
+        role.deactivate()
+        if self.keep_components:
+            self.idle_roles[role.name] = role
+        else:
+            role.shutdown()
 
     def _rollback(self, p: PendingSwitch, failure: tuple[str, int], old_role, old_cache,
                   new_role) -> SwitchModeResp:
@@ -374,11 +323,6 @@ class ModeController:
         self._to_idle()
         return self._reply(p.msg, code, f"{self.last_error}; rolled back, still serving as {old_role.name}")
 
-    def _fault(self, step: str) -> None:
-        if self.fault_step == step and self.fault_mode in (None, self.target):
-            rank = f" on TP rank {self.tp.rank}" if self.tp.size > 1 else ""
-            raise SwitchFailed(f"injected fault at step {step!r}{rank}")
-
     def _to_idle(self) -> None:
         self.state, self.target = TransitionState.IDLE, None
 
@@ -388,7 +332,7 @@ class ModeController:
         s = self.s
         return {"waiting": len(s.waiting_queue), "running": len(s.live_reqs()), **s.role.queue_sizes()}
 
-    def _reply(self, msg: SwitchModeReq, code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
+    def _reply(self, msg: "SwitchModeReq | PrepareModeReq", code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
         return SwitchModeResp(call_id=msg.call_id, status_code=code, status="ok" if code == 200 else "error",
                               message=message, current_mode=self.s.role.name, epoch=self.epoch,
                               timings_ms=timings or {})
@@ -407,11 +351,3 @@ class ModeController:
             role.shutdown()
         self.idle_roles.clear()
 
-
-def _fault_for_rank(spec: str, rank: int) -> tuple[Optional[str], Optional[str]]:
-    """(step, target mode or None = any) that TIDAL_SWITCH_FAULT makes fail on this rank."""
-    spec, _, mode = spec.partition(">")
-    step, _, only = spec.partition("@")
-    if not step or (only and int(only) != rank):
-        return None, None
-    return step, mode or None

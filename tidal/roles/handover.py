@@ -38,6 +38,13 @@ class HandoverRole:
         self.answers_owed_s = 0.0  # prefill: decode time the handed-over answers are owed
         self._batch_started = 0.0
 
+    def reroot(self, root: Any) -> None:
+        """Under a new radix cache (the decode role's had no sharing) every request held owns all its KV."""
+        s = self.s
+        for req in [*s.live_reqs(), *s.waiting_queue, *self.old.queued_reqs()]:
+            req.last_node = root
+            req.prefix_indices = req.prefix_indices[:0]
+
     @property
     def transfer(self) -> Any:
         return getattr(self.new, "transfer", None)

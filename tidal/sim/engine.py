@@ -18,8 +18,8 @@ every instance has its own cores, as in a cluster of many hosts.
 A move follows the live drain-switch path: the worker leaves every pool, finishes what it
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool. A decode
-worker moving to prefill or null hands its answers over as the live router asks it to: it
-switches at once and finishes them in its new role; a move of a worker still doing so waits
+worker moving to prefill or null hands its answers over as the live router asks it to (unless
+`decode_move` is "drain"): it switches at once and finishes them in its new role; a move of a worker still doing so waits
 for them as a drain (the live worker holds a drained switch until its handover ends).
 """
 
@@ -91,6 +91,7 @@ class Move:
     drained: Optional[float] = None
     ended: Optional[float] = None
     outcome: str = ""
+    handover: bool = False  # a decode worker switching at once, its answers finished in the new role
     handed_over: Optional[float] = None  # a handover: when the worker had finished the answers it held
 
 
@@ -392,7 +393,8 @@ class Cluster:
         self._moving[url] = move
         self._record_pools()
         inst = self.instances[url]
-        if move.src == DECODE and dst in (PREFILL, NULL):  # a handover: nothing to drain
+        move.handover = move.src == DECODE and dst in (PREFILL, NULL) and self.cfg.planner.decode_move == "handover"
+        if move.handover:  # nothing to drain
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
             return
@@ -410,7 +412,7 @@ class Cluster:
         inst.mode = move.dst
         if inst.handing_over():
             inst.handover_move = move
-        elif move.src == DECODE:
+        elif move.handover:
             move.handed_over = self.now
         self.registry.set_mode(move.worker, move.dst)
         self._end_move(move, "ok")
