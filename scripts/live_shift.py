@@ -8,7 +8,9 @@ a profile of this host.
     PYTHONPATH=$PWD python3 scripts/live_shift.py --planner-profile PROFILE.json --output live_shift.json
 
 Writes a JSON (phases with their bench summary, pools over time, every move decision with
-its reason and outcome) and prints a table of pools over time and one of the phases.
+its reason, outcome and start time, every request's record with its send time from the run's
+start) and prints a table of pools over time and one of the phases. `tidal sim calibrate
+--bench-json` replays that JSON (docs/elasticity.md, "Calibration with moves").
 """
 
 from __future__ import annotations
@@ -136,13 +138,15 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None
     raise TimeoutError("cluster not ready")
 
 
-def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float) -> None:
+def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float, t0: float = 0.0) -> None:
     """Add the decisions of one /planner/status (the last 50) to `seen`, keyed by the planner's clock, kind
-    and worker (one interval may hold several moves and a hold): seen_t is when one was first polled; a
-    move's outcome is updated on later polls."""
+    and worker (one interval may hold several moves and a hold): seen_t is when one was first polled, at_s
+    when it was taken (both from t0, the run's start); a move's outcome is updated on later polls."""
     for d in decisions:
         key = (d["at"], d["kind"], d.get("url") or "")
         rec = seen.setdefault(key, {"seen_t": t, "kind": d["kind"], "reason": d["reason"]})
+        if "at_unix" in d:
+            rec["at_s"] = round(d["at_unix"] - t0, 3)
         if d["kind"] == "move":
             rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"])
 
@@ -172,10 +176,12 @@ class Poller(threading.Thread):
         t = round(time.time() - self.t0, 1)
         self.pools.append({"t": t, **{m: len(st["pools"][m]) for m in MODES}, "moving": len(st["moving"]),
                            "rate": round(st["traffic"].get("arrival_rate", 0.0), 3)})
-        merge_decisions(self.decisions, st["decisions"], t)
+        merge_decisions(self.decisions, st["decisions"], t, self.t0)
 
 
-def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str) -> dict:
+def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str, start_s: float) -> tuple[dict, list[dict]]:
+    """The phase's summary, and its request records with `start` from the run's start (the phase began at
+    start_s) and the phase's number."""
     inp, out, rate = ns.prefill_heavy if kind == "prefill" else ns.decode_heavy
     path = os.path.join(out_dir, f"phase{k}_{kind}.json")
     cmd = [sys.executable, "-m", "tidal.cli", "bench", "--url", f"http://127.0.0.1:{ns.port}", "--dataset", "random",
@@ -185,11 +191,16 @@ def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str) -> dict
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     with open(path) as f:
         res = json.load(f)
-    return {"phase": k, "kind": kind, "input": int(inp), "output": int(out), "rate": rate,
-            "requests": res["num_requests"], "failed": res["failed"],
-            "errors": sorted({r["error"] for r in res["requests"] if r["error"]})[:3],
-            "ttft_p50_ms": res["ttft_ms"]["p50"], "tpot_p50_ms": res["tpot_ms"]["p50"],
-            "ttft_p90_ms": res["ttft_ms"]["p90"], "tpot_p90_ms": res["tpot_ms"]["p90"]}
+    summary = {"phase": k, "kind": kind, "input": int(inp), "output": int(out), "rate": rate,
+               "requests": res["num_requests"], "failed": res["failed"],
+               "errors": sorted({r["error"] for r in res["requests"] if r["error"]})[:3],
+               "ttft_p50_ms": res["ttft_ms"]["p50"], "tpot_p50_ms": res["tpot_ms"]["p50"],
+               "ttft_p90_ms": res["ttft_ms"]["p90"], "tpot_p90_ms": res["tpot_ms"]["p90"]}
+    return summary, phase_records(res["requests"], k, start_s)
+
+
+def phase_records(records: list[dict], k: int, start_s: float) -> list[dict]:
+    return [{**r, "start": round(start_s + r["start"], 6), "phase": k} for r in records]
 
 
 def pool_changes(pools: list[dict]) -> list[dict]:
@@ -227,12 +238,13 @@ def main(argv=None) -> int:
         t0 = time.time()
         poller = Poller(url, ns.poll_s, t0)
         poller.start()
-        phases, marks = [], []
+        phases, marks, requests = [], [], []
         with tempfile.TemporaryDirectory() as tmp:
             for k, kind in enumerate(ns.phases.split(",")):
                 marks.append((time.time() - t0, k))
-                phases.append({**bench_phase(ns, kind, k, tmp), "start_s": round(marks[-1][0], 1),
-                               "end_s": round(time.time() - t0, 1)})
+                summary, records = bench_phase(ns, kind, k, tmp, marks[-1][0])
+                phases.append({**summary, "start_s": round(marks[-1][0], 1), "end_s": round(time.time() - t0, 1)})
+                requests += records
         poller.stop.set()
         poller.join(30)
         final = httpx.get(url + "/planner/status", timeout=10).json()
@@ -246,7 +258,7 @@ def main(argv=None) -> int:
               "moves": [d for _, d in sorted(poller.decisions.items()) if d["kind"] == "move"],
               "decisions": [d for _, d in sorted(poller.decisions.items())],
               "final_pools": {m: len(final["pools"][m]) for m in MODES}, "planner_config": final["config"],
-              "failed_total": sum(p["failed"] for p in phases)}
+              "failed_total": sum(p["failed"] for p in phases), "requests": requests}
     with open(ns.output, "w") as f:
         json.dump(result, f, indent=1)
     print_tables(result)

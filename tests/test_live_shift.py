@@ -39,6 +39,21 @@ def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
     assert seen[48.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}
 
 
+def test_a_moves_start_is_kept_from_the_runs_start():
+    seen = {}
+    move = {"at": 50.0, "at_unix": 1000.25, "kind": "move", "reason": "r", "url": "u", "src": "decode",
+            "dst": "prefill", "outcome": ""}
+    live_shift.merge_decisions(seen, [move], t=40.0, t0=960.0)
+    assert seen[50.0, "move", "u"]["at_s"] == 40.25 and seen[50.0, "move", "u"]["seen_t"] == 40.0
+
+
+def test_a_phases_requests_are_timed_from_the_runs_start():
+    records = [{"start": 0.0, "success": True, "ttft": 0.1}, {"start": 1.5, "success": False, "ttft": 0.0}]
+    out = live_shift.phase_records(records, 2, 120.0)
+    assert [(r["start"], r["phase"], r["success"]) for r in out] == [(120.0, 2, True), (121.5, 2, False)]
+    assert records[0]["start"] == 0.0  # the bench's own records are left as they were
+
+
 def test_auto_rates_come_from_the_profile_and_the_clusters_planner():
     from tidal.planner.decide import make_predictor, rated
     from tidal.planner.loop import load_cost_model

@@ -103,6 +103,69 @@ def test_calibrate_command_writes_both_sides(tmp_path, capsys):
     assert "ttft_p50" in capsys.readouterr().out
 
 
+def shifting_run() -> dict:
+    """scripts/live_shift.py's JSON, small: phase 0 long prompts (prefill-heavy), phase 1 long answers; the
+    live planner moved the null worker to prefill at 2.5 s and the prefill worker to decode at 12 s (a
+    third move failed)."""
+    phase0 = [{**record(0.5 * i, 1.5, 2, prompt=900), "phase": 0} for i in range(8)]
+    phase1 = [{**record(10.0 + 0.5 * i, 0.2, 40, prompt=20), "phase": 1} for i in range(8)]
+    moves = [{"seen_t": 4.0, "at_s": 2.5, "kind": "move", "reason": "r", "url": "u1", "src": "null", "dst": "prefill",
+              "outcome": "ok"},
+             {"seen_t": 14.0, "at_s": 12.0, "kind": "move", "reason": "r", "url": "u2", "src": "prefill",
+              "dst": "decode", "outcome": "ok"},
+             {"seen_t": 16.0, "at_s": 15.0, "kind": "move", "reason": "r", "url": "u3", "src": "decode",
+              "dst": "prefill", "outcome": "failed: x"}]
+    config = {"mode": "sla", "ttft_slo_s": 3.0, "tpot_slo_s": 0.15, "interval_s": 2.0, "window_s": 20.0}
+    return {"requests": phase1 + phase0, "moves": moves, "planner_config": config, "phases": []}
+
+
+def test_a_run_that_moved_is_replayed_with_its_moves_and_each_phases_latencies(tmp_path, capsys):
+    live, profile, out = tmp_path / "live_shift.json", tmp_path / "profile.json", tmp_path / "calib.json"
+    live.write_text(json.dumps(shifting_run()))
+    profile.write_text(json.dumps(COST))
+    args = ["sim", "calibrate", "--bench-json", str(live), "--profile", str(profile), "--null", "1", "--prefill", "1",
+            "--decode", "1", "--output", str(out)]
+    tidal_main(args)
+    result = json.loads(out.read_text())
+    assert result["config"]["moves"] == "live"
+    sim = result["moves"]["sim"]
+    assert [(m["at_s"], m["src"], m["dst"], m["outcome"]) for m in sim] == [
+        (2.5, "null", "prefill", "ok"), (12.0, "prefill", "decode", "ok")]  # the failed live move is not replayed
+    assert len(result["moves"]["live"]) == 3
+    assert [(ph["phase"], ph["requests"]) for ph in result["phases"]] == [(0, 8), (1, 8)]
+    for ph in result["phases"]:
+        assert ph["metrics"]["ttft_p50"]["live_ms"] == pytest.approx(1500.0 if ph["phase"] == 0 else 200.0)
+        assert math.isfinite(ph["metrics"]["ttft_p50"]["sim_ms"])
+    printed = capsys.readouterr().out
+    assert "phase 1 (8 requests)" in printed and "sim move at 12.0 s: prefill -> decode (ok" in printed
+
+    tidal_main(args[:-2] + ["--moves", "planner", "--output", str(out)])  # the simulator's planner decides
+    result = json.loads(out.read_text())
+    assert result["config"]["moves"] == "planner" and result["config"]["planner"]["interval_s"] == 2.0
+    assert result["config"]["planner"]["mode"] == "sla" and result["requests"]["sim_finished"] == 16
+
+
+def test_moves_planner_needs_the_live_planners_settings(tmp_path, capsys):
+    run = shifting_run()
+    del run["planner_config"]
+    live, profile = tmp_path / "live_shift.json", tmp_path / "profile.json"
+    live.write_text(json.dumps(run))
+    profile.write_text(json.dumps(COST))
+    with pytest.raises(SystemExit):
+        tidal_main(["sim", "calibrate", "--bench-json", str(live), "--profile", str(profile), "--moves", "planner"])
+    assert "no planner_config" in capsys.readouterr().err
+
+
+def test_a_replayed_move_waits_for_a_worker_of_its_pool():
+    """The second move needs a null worker, which exists only once the first one has landed."""
+    cfg = SimConfig(null=0, prefill=1, decode=2, replayed_moves=((1.0, "decode", "null"), (1.0, "null", "prefill")))
+    c = Cluster(cfg, CostModel.from_dict(COST), [TraceRequest(0.0, 100, 400)]).run()
+    first, second = c.moves
+    assert (first.started, first.src, first.dst, first.outcome) == (1.0, "decode", "null", "ok")
+    assert second.worker == first.worker and second.started == pytest.approx(1.1) and second.outcome == "ok"
+    assert c.registry.get(first.worker).mode == "prefill" and c.requests[0].outcome == "finished"
+
+
 @pytest.mark.parametrize("null, prefill, decode, layout", [
     (0, None, None, (0, 1, 1)), (1, None, None, (1, 0, 0)), (1, 1, 1, (1, 1, 1)), (1, 2, None, (1, 2, 1))])
 def test_calibrate_layout_is_the_live_runs(null, prefill, decode, layout):

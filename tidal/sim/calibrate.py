@@ -6,6 +6,12 @@ generated, or asked for when it failed) through `tidal.sim.engine.Cluster` with 
 layout and a static planner, and sets the live and simulated TTFT and TPOT side by side
 (p50, p90, the relative error of the simulation). The run passes when both p50s are within
 the tolerance.
+
+A run whose workers moved (`scripts/live_shift.py`'s JSON: request records numbered by phase,
+the planner's moves with their start times and its settings) is replayed with its moves:
+the live run's, each started at its live time (`--moves live`), or the simulator's planner's
+under the live router's planner settings (`--moves planner`); the report adds each phase's
+latencies and both runs' moves.
 """
 
 from __future__ import annotations
@@ -37,10 +43,21 @@ class BenchRecord(msgspec.Struct):
     ttft: Optional[float] = None
     tpot: Optional[float] = None
     requested_output_tokens: Optional[int] = None
+    phase: Optional[int] = None  # scripts/live_shift.py
+
+
+class LiveMove(msgspec.Struct):
+    """A move of scripts/live_shift.py's JSON: `at_s` when the planner started it, from the run's start."""
+    src: str
+    dst: str
+    outcome: str = ""
+    at_s: Optional[float] = None
 
 
 class BenchFile(msgspec.Struct):
     requests: list[BenchRecord]
+    moves: list[LiveMove] = []
+    planner_config: Optional[dict] = None
 
 
 def load_bench(path: str) -> dict:
@@ -72,16 +89,41 @@ def replayed_trace(bench: dict) -> list[TraceRequest]:
     return out
 
 
-def live_latencies(bench: dict) -> dict[str, list[float]]:
+def live_latencies(records: list[dict]) -> dict[str, list[float]]:
     """TTFT of every successful request, TPOT of those with more than one output token (seconds)."""
-    ok = [r for r in bench["requests"] if r["success"]]
+    ok = [r for r in records if r["success"]]
     return {"ttft": [r["ttft"] for r in ok], "tpot": [r["tpot"] for r in ok if r.get("tpot") is not None]}
 
 
-def sim_latencies(c: Cluster) -> dict[str, list[float]]:
-    done = [r for r in c.requests if r.outcome == "finished"]
+def sim_latencies(c: Cluster, rids: Optional[set[int]] = None) -> dict[str, list[float]]:
+    done = [r for r in c.requests if r.outcome == "finished" and (rids is None or r.rid in rids)]
     lat = [c.ttft_tpot(r) for r in done]
     return {"ttft": [x for x, _ in lat], "tpot": [y for (_, y), r in zip(lat, done) if r.generated > 1]}
+
+
+def replayed_moves(bench: dict) -> tuple[tuple[float, str, str], ...]:
+    """The live run's moves that landed, (start s, from mode, to mode), for SimConfig.replayed_moves."""
+    moves = msgspec.convert(bench.get("moves") or [], list[LiveMove])
+    return tuple((m.at_s, m.src, m.dst) for m in moves if m.outcome == "ok" and m.at_s is not None)
+
+
+def phase_rows(bench: dict, c: Cluster, tolerance: float) -> list[dict]:
+    """Each phase's live and simulated latencies (the requests replayed in send order: rid = rank)."""
+    ordered = sorted(bench["requests"], key=lambda r: r["start"])
+    phases = sorted({r["phase"] for r in ordered if r.get("phase") is not None})
+    rows = []
+    for k in phases:
+        rids = {i for i, r in enumerate(ordered) if r.get("phase") == k}
+        mine = [ordered[i] for i in sorted(rids)]
+        rows.append({"phase": k, "requests": len(mine),
+                     **compare(live_latencies(mine), sim_latencies(c, rids), tolerance)})
+    return rows
+
+
+def sim_moves(c: Cluster) -> list[dict]:
+    return [{"at_s": round(m.started, 3), "src": m.src, "dst": m.dst, "outcome": m.outcome,
+             "switched_s": None if m.ended is None else round(m.ended - m.started, 3),
+             "handover_s": None if m.handed_over is None else round(m.handed_over - m.started, 3)} for m in c.moves]
 
 
 def relative_error(sim: float, live: float) -> float:
@@ -103,11 +145,17 @@ def calibrate(bench: dict, cost: Any, cfg: SimConfig, limits: Limits, tolerance:
     trace = replayed_trace(bench)
     c = Cluster(cfg, cost, trace, limits).run()
     outcomes = {k: sum(1 for r in c.requests if r.outcome == k) for k in ("finished", "rejected", "unfinished")}
-    return {"requests": {"live": len(bench["requests"]),
-                         "live_succeeded": sum(1 for r in bench["requests"] if r["success"]),
-                         "replayed": len(trace), **{f"sim_{k}": v for k, v in outcomes.items()}},
-            "arrivals_s": [t.arrival for t in trace],
-            **compare(live_latencies(bench), sim_latencies(c), tolerance)}
+    out = {"requests": {"live": len(bench["requests"]),
+                        "live_succeeded": sum(1 for r in bench["requests"] if r["success"]),
+                        "replayed": len(trace), **{f"sim_{k}": v for k, v in outcomes.items()}},
+           "arrivals_s": [t.arrival for t in trace],
+           **compare(live_latencies(bench["requests"]), sim_latencies(c), tolerance)}
+    phases = phase_rows(bench, c, tolerance)
+    if phases:
+        out["phases"] = phases
+    if bench.get("moves") or c.moves:
+        out["moves"] = {"live": [m for m in bench.get("moves") or []], "sim": sim_moves(c)}
+    return out
 
 
 def format_table(result: dict) -> str:
@@ -121,6 +169,16 @@ def format_table(result: dict) -> str:
         lines.append(f"simulated layout: {lay['prefill']} prefill, {lay['decode']} decode, {lay['null']} null")
     lines.append(f"{n['replayed']} requests replayed ({n['live_succeeded']} succeeded live, {n['sim_finished']} "
                  f"finished simulated); p50 within {result['tolerance']:.0%}: {verdict}")
+    for ph in result.get("phases", []):
+        m = ph["metrics"]
+        lines.append(f"phase {ph['phase']} ({ph['requests']} requests): " + ", ".join(
+            f"{name} {m[name]['live_ms']:.1f} live / {m[name]['sim_ms']:.1f} sim ({m[name]['rel_err']:+.1%})"
+            for name in ("ttft_p50", "tpot_p50")))
+    moves = result.get("moves", {})
+    for side in ("live", "sim"):
+        for mv in moves.get(side, []):
+            extra = "" if mv.get("handover_s") is None else f", handover {mv['handover_s']:.1f} s"
+            lines.append(f"{side} move at {mv.get('at_s')} s: {mv['src']} -> {mv['dst']} ({mv.get('outcome')}{extra})")
     return "\n".join(lines)
 
 
@@ -136,6 +194,23 @@ def calibrate_layout(ns: Any) -> tuple[int, int, int]:
     return k, p, d
 
 
+def moving(ns: Any, bench: dict) -> dict:
+    """SimConfig's fields for the live run's moves: none for a run that made none; else the moves as the
+    live run made them (`--moves live`), or its planner settings for the simulator's planner (`planner`)."""
+    from tidal.planner.schema import PlannerConfig
+    from tidal.sim.cli import fail
+
+    if ns.moves == "live":
+        return {"replayed_moves": replayed_moves(bench)}
+    if not bench.get("planner_config"):
+        fail(f"--bench-json {ns.bench_json}: no planner_config (scripts/live_shift.py writes it) for --moves planner")
+    try:
+        planner = msgspec.convert(bench["planner_config"], PlannerConfig)
+    except (msgspec.MsgspecError, ValueError) as e:
+        fail(f"--bench-json {ns.bench_json}: planner_config: {e}")
+    return {"planner": msgspec.structs.replace(planner, mode="sla")}
+
+
 def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
     from tidal.sim.cli import write_json
 
@@ -148,11 +223,12 @@ def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
         print(f"warning: --profile {ns.profile}: {warning}", file=sys.stderr)
     threads = cost.profile.server.torch_threads or 1
     cfg = SimConfig(null=k, prefill=p, decode=d, policy=ns.policy, seed=ns.seed, host_cores=ns.host_cores,
-                    instance_threads=threads)
+                    instance_threads=threads, **moving(ns, bench))
     result = calibrate(bench, cost, cfg, limits, ns.tolerance)
     result["config"] = {"bench_json": os.path.basename(ns.bench_json), "profile": os.path.basename(ns.profile),
                         "null": k, "prefill": p, "decode": d, "host_cores": ns.host_cores,
-                        "instance_threads": threads, "policy": ns.policy, "simulated": True}
+                        "instance_threads": threads, "policy": ns.policy, "moves": ns.moves,
+                        "planner": msgspec.to_builtins(cfg.planner), "simulated": True}
     if ns.output:
         write_json(result, ns.output)
     print(format_table(result))

@@ -84,6 +84,10 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--bench-json", default=None, metavar="PATH",
                    help="the `tidal bench --output-file` JSON of the live run to replay (default: none; required "
                         "by calibrate, whose layout is --null/--prefill/--decode, prefill and decode 1 if not given)")
+    c.add_argument("--moves", choices=("live", "planner"), default="live",
+                   help="a live run whose workers moved (scripts/live_shift.py's JSON): replay its moves at their "
+                        "live start times (live), or let the simulator's planner decide with the live router's "
+                        "planner settings (planner) (default: live; a run without moves replays none)")
     c.add_argument("--tolerance", type=float, default=0.25,
                    help="calibrate passes (exit 0, else 1) when the simulated TTFT and TPOT p50 are within this "
                         "relative error of the live ones (default: 0.25)")

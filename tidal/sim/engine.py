@@ -59,6 +59,8 @@ class SimConfig:
     # instead of the planner: head for these layouts ({mode: workers}) in turn, one per phase_period_s
     phase_layouts: tuple[dict, ...] = ()
     phase_period_s: float = 0.0
+    # instead of the planner: these moves, (seconds, from mode, to mode), as a live run made them
+    replayed_moves: tuple[tuple[float, str, str], ...] = ()
     host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
     instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 
@@ -146,6 +148,9 @@ class Cluster:
         self.at(self.cfg.health_check_interval_s, self._health_tick)
         if self.cfg.phase_layouts:
             self.at(0.0, self._phase_tick)
+        elif self.cfg.replayed_moves:
+            for t, src, dst in self.cfg.replayed_moves:
+                self.at(t, self._replayed_move, (src, dst))
         elif self.cfg.planner.mode != "static":
             self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
@@ -383,6 +388,17 @@ class Cluster:
             heading[short[0]] += 1
             self._start_move(w.url, short[0])
         self.at(self.now + self.cfg.planner.interval_s, self._phase_tick)
+
+    def _replayed_move(self, move: tuple[str, str]) -> None:
+        """A live run's move: the worker of its pool with the least to drain (a worker whose earlier move
+        has not landed here yet is waited for, 0.1 s at a time)."""
+        src, dst = move
+        self._refresh_loads()
+        free = [w for w in pool_loads(self.registry) if w.mode == src]
+        if not free:
+            self.at(self.now + 0.1, self._replayed_move, move)
+            return
+        self._start_move(min(free, key=lambda w: (drain_work(w), w.url)).url, dst)
 
     def _start_move(self, url: str, dst: str) -> None:
         w = self.registry.get(url)
