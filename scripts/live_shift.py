@@ -151,6 +151,19 @@ def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float, t0
             rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"])
 
 
+def track_handover(handovers: list[dict], worker: str, status: dict, t: float) -> None:
+    """A worker's handover from its /admin/disaggregation_status polls: opened when one shows HANDOVER, closed
+    (with the worker's own `handover` ms) at the first poll after it that does not."""
+    open_one = next((h for h in handovers if h["url"] == worker and h["ended_t"] is None), None)
+    if status.get("transition_state") == "HANDOVER":
+        if open_one is None:
+            handovers.append({"url": worker, "mode": status.get("current_mode"), "seen_t": t, "ended_t": None,
+                              "handover_ms": None})
+    elif open_one is not None:
+        open_one["ended_t"] = t
+        open_one["handover_ms"] = (status.get("last_switch_timings_ms") or {}).get("handover")
+
+
 class Poller(threading.Thread):
     """GET /planner/status every poll_s: the pool sizes, and every decision once (keyed by the planner's
     clock; seen_t is the first poll that showed it; a move's outcome is updated until it drops off)."""
@@ -160,6 +173,7 @@ class Poller(threading.Thread):
         self.url, self.poll_s, self.t0 = url, poll_s, t0
         self.pools: list[dict] = []
         self.decisions: dict[tuple, dict] = {}
+        self.handovers: list[dict] = []  # each worker's handover: first seen, seen ended, its own length
         self.stop = threading.Event()
 
     def run(self) -> None:
@@ -177,6 +191,12 @@ class Poller(threading.Thread):
         self.pools.append({"t": t, **{m: len(st["pools"][m]) for m in MODES}, "moving": len(st["moving"]),
                            "rate": round(st["traffic"].get("arrival_rate", 0.0), 3)})
         merge_decisions(self.decisions, st["decisions"], t, self.t0)
+        for worker in sorted({u for m in MODES for u in st["pools"][m]}):
+            try:
+                ws = httpx.get(worker + "/admin/disaggregation_status", timeout=5).json()
+            except (httpx.HTTPError, ValueError):
+                continue
+            track_handover(self.handovers, worker, ws, t)
 
 
 def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str, start_s: float) -> tuple[dict, list[dict]]:
@@ -224,6 +244,9 @@ def print_tables(result: dict) -> None:
               f"{ph['failed']} | {ph['ttft_p50_ms']:.0f} | {ph['tpot_p50_ms']:.1f} |")
     for m in result["moves"]:
         print(f"move at {m['seen_t']} s: {m['src']} -> {m['dst']} ({m['outcome']}): {m['reason']}")
+    for h in result.get("handovers", []):
+        print(f"handover of {h['url']} to {h['mode']}: seen at {h['seen_t']} s, ended by {h['ended_t']} s, "
+              f"{h['handover_ms']} ms by the worker")
 
 
 def main(argv=None) -> int:
@@ -258,7 +281,8 @@ def main(argv=None) -> int:
               "moves": [d for _, d in sorted(poller.decisions.items()) if d["kind"] == "move"],
               "decisions": [d for _, d in sorted(poller.decisions.items())],
               "final_pools": {m: len(final["pools"][m]) for m in MODES}, "planner_config": final["config"],
-              "failed_total": sum(p["failed"] for p in phases), "requests": requests}
+              "failed_total": sum(p["failed"] for p in phases), "handovers": poller.handovers,
+              "requests": requests}
     with open(ns.output, "w") as f:
         json.dump(result, f, indent=1)
     print_tables(result)

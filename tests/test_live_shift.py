@@ -54,6 +54,19 @@ def test_a_phases_requests_are_timed_from_the_runs_start():
     assert records[0]["start"] == 0.0  # the bench's own records are left as they were
 
 
+def test_a_handover_is_timed_from_the_workers_status_polls():
+    handovers = []
+    idle = {"transition_state": "IDLE", "current_mode": "decode", "last_switch_timings_ms": {}}
+    live_shift.track_handover(handovers, "u", idle, 10.0)
+    assert handovers == []
+    live_shift.track_handover(handovers, "u", {"transition_state": "HANDOVER", "current_mode": "prefill"}, 12.0)
+    live_shift.track_handover(handovers, "u", {"transition_state": "HANDOVER", "current_mode": "prefill"}, 14.0)
+    live_shift.track_handover(handovers, "v", idle, 14.0)
+    live_shift.track_handover(handovers, "u", {"transition_state": "IDLE", "current_mode": "prefill",
+                                               "last_switch_timings_ms": {"switch": 5.0, "handover": 3120.5}}, 16.0)
+    assert handovers == [{"url": "u", "mode": "prefill", "seen_t": 12.0, "ended_t": 16.0, "handover_ms": 3120.5}]
+
+
 def test_auto_rates_come_from_the_profile_and_the_clusters_planner():
     from tidal.planner.decide import make_predictor, rated
     from tidal.planner.loop import load_cost_model

@@ -116,7 +116,9 @@ def shifting_run() -> dict:
              {"seen_t": 16.0, "at_s": 15.0, "kind": "move", "reason": "r", "url": "u3", "src": "decode",
               "dst": "prefill", "outcome": "failed: x"}]
     config = {"mode": "sla", "ttft_slo_s": 3.0, "tpot_slo_s": 0.15, "interval_s": 2.0, "window_s": 20.0}
-    return {"requests": phase1 + phase0, "moves": moves, "planner_config": config, "phases": []}
+    handovers = [{"url": "u3", "mode": "prefill", "seen_t": 16.0, "ended_t": 18.0, "handover_ms": 1500.0}]
+    return {"requests": phase1 + phase0, "moves": moves, "planner_config": config, "phases": [],
+            "handovers": handovers}
 
 
 def test_a_run_that_moved_is_replayed_with_its_moves_and_each_phases_latencies(tmp_path, capsys):
@@ -131,13 +133,14 @@ def test_a_run_that_moved_is_replayed_with_its_moves_and_each_phases_latencies(t
     sim = result["moves"]["sim"]
     assert [(m["at_s"], m["src"], m["dst"], m["outcome"]) for m in sim] == [
         (2.5, "null", "prefill", "ok"), (12.0, "prefill", "decode", "ok")]  # the failed live move is not replayed
-    assert len(result["moves"]["live"]) == 3
+    assert len(result["moves"]["live"]) == 3 and result["moves"]["live_handovers"][0]["handover_ms"] == 1500.0
     assert [(ph["phase"], ph["requests"]) for ph in result["phases"]] == [(0, 8), (1, 8)]
     for ph in result["phases"]:
         assert ph["metrics"]["ttft_p50"]["live_ms"] == pytest.approx(1500.0 if ph["phase"] == 0 else 200.0)
         assert math.isfinite(ph["metrics"]["ttft_p50"]["sim_ms"])
     printed = capsys.readouterr().out
     assert "phase 1 (8 requests)" in printed and "sim move at 12.0 s: prefill -> decode (ok" in printed
+    assert "live handover to prefill seen at 16.0 s: 1.5 s" in printed
 
     tidal_main(args[:-2] + ["--moves", "planner", "--output", str(out)])  # the simulator's planner decides
     result = json.loads(out.read_text())
@@ -164,6 +167,16 @@ def test_a_replayed_move_waits_for_a_worker_of_its_pool():
     assert (first.started, first.src, first.dst, first.outcome) == (1.0, "decode", "null", "ok")
     assert second.worker == first.worker and second.started == pytest.approx(1.1) and second.outcome == "ok"
     assert c.registry.get(first.worker).mode == "prefill" and c.requests[0].outcome == "finished"
+
+
+def test_a_replayed_live_worker_is_the_same_simulated_worker_each_time():
+    """Live worker "b" moves twice: both moves take the simulated worker that stood for it first, though
+    the other decode worker has less to drain at the second."""
+    moves = ((1.0, "decode", "prefill", "b"), (2.0, "prefill", "decode", "b"), (3.0, "decode", "null", "b"))
+    cfg = SimConfig(null=0, prefill=1, decode=2, replayed_moves=moves)
+    c = Cluster(cfg, CostModel.from_dict(COST), [TraceRequest(0.0, 100, 400), TraceRequest(2.5, 100, 400)]).run()
+    assert len({m.worker for m in c.moves}) == 1 and [m.outcome for m in c.moves] == ["ok"] * 3
+    assert c.registry.get(c.moves[0].worker).mode == "null"
 
 
 @pytest.mark.parametrize("null, prefill, decode, layout", [

@@ -52,6 +52,7 @@ class LiveMove(msgspec.Struct):
     dst: str
     outcome: str = ""
     at_s: Optional[float] = None
+    url: str = ""
 
 
 class BenchFile(msgspec.Struct):
@@ -101,10 +102,12 @@ def sim_latencies(c: Cluster, rids: Optional[set[int]] = None) -> dict[str, list
     return {"ttft": [x for x, _ in lat], "tpot": [y for (_, y), r in zip(lat, done) if r.generated > 1]}
 
 
-def replayed_moves(bench: dict) -> tuple[tuple[float, str, str], ...]:
-    """The live run's moves that landed, (start s, from mode, to mode), for SimConfig.replayed_moves."""
+def replayed_moves(bench: dict) -> tuple[tuple, ...]:
+    """The live run's moves that landed, (start s, from mode, to mode, live worker URL), for
+    SimConfig.replayed_moves: the same simulated worker moves each time the same live worker did."""
     moves = msgspec.convert(bench.get("moves") or [], list[LiveMove])
-    return tuple((m.at_s, m.src, m.dst) for m in moves if m.outcome == "ok" and m.at_s is not None)
+    return tuple((m.at_s, m.src, m.dst, m.url) if m.url else (m.at_s, m.src, m.dst)
+                 for m in moves if m.outcome == "ok" and m.at_s is not None)
 
 
 def phase_rows(bench: dict, c: Cluster, tolerance: float) -> list[dict]:
@@ -154,7 +157,8 @@ def calibrate(bench: dict, cost: Any, cfg: SimConfig, limits: Limits, tolerance:
     if phases:
         out["phases"] = phases
     if bench.get("moves") or c.moves:
-        out["moves"] = {"live": [m for m in bench.get("moves") or []], "sim": sim_moves(c)}
+        out["moves"] = {"live": [m for m in bench.get("moves") or []], "sim": sim_moves(c),
+                        "live_handovers": [h for h in bench.get("handovers") or []]}
     return out
 
 
@@ -179,6 +183,9 @@ def format_table(result: dict) -> str:
         for mv in moves.get(side, []):
             extra = "" if mv.get("handover_s") is None else f", handover {mv['handover_s']:.1f} s"
             lines.append(f"{side} move at {mv.get('at_s')} s: {mv['src']} -> {mv['dst']} ({mv.get('outcome')}{extra})")
+    for h in moves.get("live_handovers", []):
+        took = "?" if h.get("handover_ms") is None else f"{h['handover_ms'] / 1000:.1f} s"
+        lines.append(f"live handover to {h.get('mode')} seen at {h.get('seen_t')} s: {took}")
     return "\n".join(lines)
 
 

@@ -59,8 +59,8 @@ class SimConfig:
     # instead of the planner: head for these layouts ({mode: workers}) in turn, one per phase_period_s
     phase_layouts: tuple[dict, ...] = ()
     phase_period_s: float = 0.0
-    # instead of the planner: these moves, (seconds, from mode, to mode), as a live run made them
-    replayed_moves: tuple[tuple[float, str, str], ...] = ()
+    # instead of the planner: these moves, (seconds, from mode, to mode[, live worker URL]), as a live run made them
+    replayed_moves: tuple[tuple, ...] = ()
     host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
     instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 
@@ -132,6 +132,7 @@ class Cluster:
         self._step_token: dict[str, int] = {}  # host sharing: the step-end event that is current
         self._share_rate, self._share_since = 1.0, 0.0
         self._plan_pending = False
+        self._stands_for: dict[str, str] = {}  # replayed moves: live worker URL -> the simulated worker
 
     # ------------------------------------------------------------ events
 
@@ -149,8 +150,8 @@ class Cluster:
         if self.cfg.phase_layouts:
             self.at(0.0, self._phase_tick)
         elif self.cfg.replayed_moves:
-            for t, src, dst in self.cfg.replayed_moves:
-                self.at(t, self._replayed_move, (src, dst))
+            for move in self.cfg.replayed_moves:
+                self.at(move[0], self._replayed_move, move)
         elif self.cfg.planner.mode != "static":
             self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
@@ -389,16 +390,25 @@ class Cluster:
             self._start_move(w.url, short[0])
         self.at(self.now + self.cfg.planner.interval_s, self._phase_tick)
 
-    def _replayed_move(self, move: tuple[str, str]) -> None:
-        """A live run's move: the worker of its pool with the least to drain (a worker whose earlier move
-        has not landed here yet is waited for, 0.1 s at a time)."""
-        src, dst = move
+    def _replayed_move(self, move: tuple) -> None:
+        """A live run's move (seconds, from mode, to mode[, live worker URL]): the simulated worker that stands
+        for that live worker (the first time, one of its pool that stands for no other), else the one of
+        its pool with the least to drain; while none is in the pool (an earlier move of it has not landed
+        here yet) it is waited for, 0.1 s at a time."""
+        _, src, dst, *live = move
         self._refresh_loads()
         free = [w for w in pool_loads(self.registry) if w.mode == src]
+        if live:
+            mine = self._stands_for.get(live[0])
+            taken = set(self._stands_for.values())
+            free = [w for w in free if w.url == mine] if mine else [w for w in free if w.url not in taken]
         if not free:
             self.at(self.now + 0.1, self._replayed_move, move)
             return
-        self._start_move(min(free, key=lambda w: (drain_work(w), w.url)).url, dst)
+        url = min(free, key=lambda w: (drain_work(w), w.url)).url
+        if live:
+            self._stands_for[live[0]] = url
+        self._start_move(url, dst)
 
     def _start_move(self, url: str, dst: str) -> None:
         w = self.registry.get(url)
