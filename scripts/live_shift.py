@@ -7,9 +7,9 @@ a profile of this host.
 
     PYTHONPATH=$PWD python3 scripts/live_shift.py --planner-profile PROFILE.json --output live_shift.json
 
-Writes a JSON (phases with their bench summary, pools over time, every move decision with
-its reason, outcome and start time, every request's record with its send time from the run's
-start) and prints a table of pools over time and one of the phases. `tidal sim calibrate
+Writes a JSON (phases with their bench summary, pools and the planner's traffic view over time,
+every move decision with its reason, outcome and start time, each worker's handover, every
+request's record with its send time from the run's start) and prints a table of pools over time and one of the phases. `tidal sim calibrate
 --bench-json` replays that JSON (docs/elasticity.md, "Calibration with moves").
 """
 
@@ -188,8 +188,12 @@ class Poller(threading.Thread):
         except (httpx.HTTPError, ValueError):
             return
         t = round(time.time() - self.t0, 1)
+        traffic = st["traffic"]
         self.pools.append({"t": t, **{m: len(st["pools"][m]) for m in MODES}, "moving": len(st["moving"]),
-                           "rate": round(st["traffic"].get("arrival_rate", 0.0), 3)})
+                           "rate": round(traffic.get("arrival_rate", 0.0), 3),
+                           "in": round(traffic.get("mean_input_tokens", 0.0)),
+                           "out": round(traffic.get("mean_output_tokens", 0.0)),
+                           "peak": round(traffic.get("prefill_peak_ratio", 1.0), 2)})
         merge_decisions(self.decisions, st["decisions"], t, self.t0)
         for worker in sorted({u for m in MODES for u in st["pools"][m]}):
             try:
