@@ -10,7 +10,8 @@ a profile of this host.
 Writes a JSON (phases with their bench summary, pools and the planner's traffic view over time,
 every move decision with its reason, outcome and start time, each worker's handover, every
 request's record with its send time from the run's start) and prints a table of pools over
-time and one of the phases. `tidal sim calibrate --bench-json` replays that JSON (docs/elasticity.md, "Calibration with moves").
+time and one of the phases. `tidal sim calibrate --bench-json` replays that JSON
+(docs/elasticity.md, "Calibration with moves").
 """
 
 from __future__ import annotations
