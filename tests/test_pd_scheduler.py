@@ -106,27 +106,6 @@ def test_pd_outputs_equal_colocated_reference(pd_pair):
 
 
 @pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
-def test_a_pd_requests_first_token_goes_out_before_the_decode_pass(pd_pair):
-    """The decode server sends the first token (the prefill server's) as soon as the KV landed, through the
-    loop's send hook before it builds the iteration's pass, not with that pass's outputs."""
-    p, d, port = pd_pair
-    early: dict[str, list[int]] = {}
-
-    def send_now() -> None:
-        for o in d.take_outbox():
-            early.setdefault(o.rid, []).extend(o.new_token_ids)
-
-    d.send_outbox_now = send_now
-    prompts = {f"r{i}": [7 + i, 8, 9, 10 + 3 * i] for i in range(3)}
-    for i, (rid, prompt) in enumerate(prompts.items()):
-        send(p, d, port, rid, prompt, 6, room=1000 + i)
-    _, dout = run_pair(p, d)
-    for rid, prompt in prompts.items():
-        assert early[rid] == reference_generate(prompt, 1), rid  # the first token, alone, sent early
-        assert early[rid] + dout[rid][0] == reference_generate(prompt, 6)
-
-
-@pytest.mark.parametrize("pd_pair", [("tcp", 1)], indirect=True)
 def test_prefill_rejects_requests_without_bootstrap(pd_pair):
     p, d, port = pd_pair
     p.handle(GenerateReq(rid="x", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=4)))

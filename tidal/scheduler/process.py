@@ -221,7 +221,6 @@ class SchedulerLoop:
         self.tp = sched.tp
         self.recv = recv
         self.send = send
-        sched.send_outbox_now = self._send_outputs
         self.poller = zmq.Poller()
         self.snapshot_at = 0.0
         self.was_busy = True
@@ -259,16 +258,13 @@ class SchedulerLoop:
             except zmq.Again:
                 return frames
 
-    def _send_outputs(self) -> None:
-        outputs = self.sched.take_outbox()
-        if outputs and self.tp.rank == 0:  # rank 0 answers for all ranks
-            self.send.send(encode(BatchOut(outputs=outputs)))
-
     def _flush(self, did_work: bool) -> None:
-        self._send_outputs()
-        if self.tp.rank != 0:
+        outputs = self.sched.take_outbox()
+        if self.tp.rank != 0:  # rank 0 answers for all ranks
             self.sched.take_replies()
             return
+        if outputs:
+            self.send.send(encode(BatchOut(outputs=outputs)))
         for reply in self.sched.take_replies():
             self.send.send(encode(reply))
         self._send_load_snapshot(did_work)

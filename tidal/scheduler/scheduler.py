@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
@@ -92,8 +92,6 @@ class Scheduler:
         self.forward_thread = ForwardThread()
         self.inflight: Optional[InFlight] = None
         self.outbox: list[ReqOutput] = []
-        # set by the loop: sends the outbox now (first tokens that are ready before this iteration's pass)
-        self.send_outbox_now: Optional[Callable[[], None]] = None
         self.replies: list[ToApi] = []
         from tidal.roles import create_role
         from tidal.roles.controller import ModeController
@@ -270,7 +268,6 @@ class Scheduler:
         self.controller.on_iteration()
         self.admit_compiled()
         self.role.advance_queues()
-        self._send_ready_outputs()
         batch = self.role.next_batch()
         self.timing.add("schedule", now() - t0)
         if batch is None:
@@ -349,7 +346,6 @@ class Scheduler:
         self.controller.on_iteration()
         self.admit_compiled()
         self.role.advance_queues()
-        self._send_ready_outputs()
         if self.inflight is not None and not self._can_schedule_behind():
             self.timing.add("schedule", now() - t0)
             self.drain()
@@ -473,13 +469,6 @@ class Scheduler:
             self.outbox.append(req.take_output(final=False))
         elif req.stream and len(req.output_ids) - req.sent_len >= self.args.stream_interval:
             self.outbox.append(req.take_output(final=False))
-
-    def _send_ready_outputs(self) -> None:
-        """A PD request whose KV landed (advance_queues) carries its first token, drawn by its prefill
-        server: it goes out now, not after this iteration's decode pass, whose length it would add to
-        the TTFT."""
-        if self.outbox and self.send_outbox_now is not None:
-            self.send_outbox_now()
 
     def take_outbox(self) -> list[ReqOutput]:
         out, self.outbox = self.outbox, []
