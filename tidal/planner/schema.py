@@ -132,7 +132,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
         if self.mode not in PLANNER_MODES:
             raise ValueError(f"--planner must be one of {', '.join(PLANNER_MODES)}, got {self.mode!r}")
         if self.decode_move not in DECODE_MOVES:
-            raise ValueError(f"--planner-decode-move must be one of {', '.join(DECODE_MOVES)}, got {self.decode_move!r}")
+            raise ValueError(f"--planner-decode-move must be one of {', '.join(DECODE_MOVES)}, "
+                             f"got {self.decode_move!r}")
         # `not x > 0` (not `x <= 0`) so that NaN is refused too; infinity only where it means "never"
         for flag, value in (("--ttft-slo-ms", self.ttft_slo_s * 1000), ("--tpot-slo-ms", self.tpot_slo_s * 1000),
                             ("--planner-window-s", self.window_s), ("--planner-burst-window-s", self.burst_window_s)):

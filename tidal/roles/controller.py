@@ -72,8 +72,7 @@ class ModeController:
     # ------------------------------------------------------------------ requests
 
     def on_switch(self, msg: SwitchModeReq) -> Optional[SwitchModeResp]:
-        """Start a switch; the reply now, or None when it will come after draining (asked with drain during
-        a handover: after the handover, then the drain)."""
+        """Start a switch; the reply now, or None when it comes later (after a drain, or a handover first)."""
         invalid = self._invalid(msg.mode)
         if invalid is not None:
             return self._reply(msg, *invalid)
@@ -87,8 +86,7 @@ class ModeController:
         return self._begin(msg, None)
 
     def _begin(self, msg: SwitchModeReq, drain_started: Optional[float]) -> Optional[SwitchModeResp]:
-        """The switch from an idle controller; `drain_started`: when its wait began (a switch queued behind a
-        handover), which its drain timeout counts from."""
+        """The switch from an idle controller; its drain timeout counts from `drain_started` if given."""
         if msg.mode == self.s.role.name:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
@@ -332,7 +330,7 @@ class ModeController:
         s = self.s
         return {"waiting": len(s.waiting_queue), "running": len(s.live_reqs()), **s.role.queue_sizes()}
 
-    def _reply(self, msg: "SwitchModeReq | PrepareModeReq", code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
+    def _reply(self, msg: Any, code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
         return SwitchModeResp(call_id=msg.call_id, status_code=code, status="ok" if code == 200 else "error",
                               message=message, current_mode=self.s.role.name, epoch=self.epoch,
                               timings_ms=timings or {})

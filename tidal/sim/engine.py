@@ -19,8 +19,9 @@ A move follows the live drain-switch path: the worker leaves every pool, finishe
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool. A decode
 worker moving to prefill or null hands its answers over as the live router asks it to (unless
-`decode_move` is "drain"): it switches at once and finishes them in its new role; a move of a worker still doing so waits
-for them as a drain (the live worker holds a drained switch until its handover ends).
+`decode_move` is "drain"): it switches at once and finishes them in its new role; a move of a
+worker still doing so waits for them as a drain (the live worker holds a drained switch until
+its handover ends).
 """
 
 from __future__ import annotations
