@@ -81,6 +81,24 @@ def test_host_sharing_stretches_steps_computed_at_once():
     assert _ttfts(2) == pytest.approx([1.5] * 3)  # 3 one-thread prefills on 2 cores: 2/3 speed each
 
 
+def test_on_a_shared_host_a_kv_copy_takes_a_cores_share():
+    """One core; prefill 1 s a prompt, the KV copy 1 s. A's copy and B's prefill share the core from 1 s on and
+    both end at 3 s; B's copy then runs alone until 4 s. Each first token comes once its KV is on the decode
+    server (1-token answers: no decode step). With their own cores the copy is time on the wire."""
+    cost = {**COST, "kv_transfer": [{"tokens": 1, "bytes": 1, "seconds": 1.0},
+                                    {"tokens": 1000, "bytes": 1000, "seconds": 1.0}]}
+
+    def ttfts(host_cores):
+        cfg = SimConfig(null=0, prefill=1, decode=1, host_cores=host_cores, instance_threads=1)
+        c = Cluster(cfg, CostModel.from_dict(cost), [TraceRequest(0.0, 100, 1), TraceRequest(1.0, 100, 1)]).run()
+        assert [r.outcome for r in c.requests] == ["finished"] * 2
+        assert all(inst.sending == 0 for inst in c.instances.values()) and not c._copying
+        return [c.ttft_tpot(r)[0] for r in c.requests]
+
+    assert ttfts(1) == pytest.approx([3.0, 3.0])
+    assert ttfts(None) == pytest.approx([2.0, 2.0])
+
+
 def test_host_sharing_speeds_up_when_a_neighbour_finishes():
     cfg = SimConfig(null=2, prefill=0, decode=0, policy="round_robin", host_cores=1, instance_threads=1)
     trace = [TraceRequest(0.0, 100, 1), TraceRequest(0.5, 100, 1)]

@@ -131,6 +131,7 @@ class Cluster:
         self.rng = random.Random(cfg.seed)
         self._work_left: dict[str, float] = {}  # host sharing: step seconds still to compute, per instance
         self._step_token: dict[str, int] = {}  # host sharing: the step-end event that is current
+        self._copying: dict[str, SimReq] = {}  # host sharing: KV copies computing (key "kv:<rid>"), one thread each
         self._share_rate, self._share_since = 1.0, 0.0
         self._plan_pending = False
         self._stands_for: dict[str, str] = {}  # replayed moves: live worker URL -> the simulated worker
@@ -238,8 +239,9 @@ class Cluster:
         self._share_since = self.now
 
     def _reschedule_shared(self) -> None:
-        n = len(self._work_left)
-        self._share_rate = min(1.0, self.cfg.host_cores / (n * self.cfg.instance_threads)) if n else 1.0
+        copies = len(self._copying)
+        threads = (len(self._work_left) - copies) * self.cfg.instance_threads + copies
+        self._share_rate = min(1.0, self.cfg.host_cores / threads) if threads else 1.0
         for url, left in self._work_left.items():
             self._step_token[url] = self._step_token.get(url, 0) + 1
             self.at(self.now + left / self._share_rate, self._shared_step_done, (url, self._step_token[url]))
@@ -250,7 +252,11 @@ class Cluster:
             return  # superseded: the sharing changed after this end was scheduled
         self._advance_shared()
         del self._work_left[url]
-        self._step_done(self.instances[url])
+        copied = self._copying.pop(url, None)
+        if copied is not None:
+            self._transferred(copied)
+        else:
+            self._step_done(self.instances[url])
         self._reschedule_shared()
 
     def _step_done(self, inst: SimInstance) -> None:
@@ -272,13 +278,26 @@ class Cluster:
                 r.generated = 1  # the prefill samples the first token
             if inst.mode == PREFILL and r.decode_url != inst.url:  # else handed over, retracted: decoded here
                 inst.sending += 1
-                self.at(self.now + self.cost.kv_transfer_seconds(r.input_len), self._transferred, r)
+                self._send_kv(r)
                 continue
             self._first_token(r)
             if r.generated >= r.output_len:
                 self._finish(inst, r)
             else:
                 inst.running.append(r)
+
+    def _send_kv(self, r: SimReq) -> None:
+        """The prompt's KV goes to its decode server. On a shared host the copy is computed by a transfer
+        thread of the prefill server (the shm backend's), so it takes a core's share like a step."""
+        seconds = self.cost.kv_transfer_seconds(r.input_len)
+        if self.cfg.host_cores is None:
+            self.at(self.now + seconds, self._transferred, r)
+            return
+        self._advance_shared()
+        key = f"kv:{r.rid}"
+        self._copying[key] = r
+        self._work_left[key] = seconds
+        self._reschedule_shared()
 
     def _transferred(self, r: SimReq) -> None:
         src, dst = self.instances[r.prefill_url], self.instances[r.decode_url]
