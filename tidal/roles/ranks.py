@@ -15,7 +15,6 @@ import msgspec
 # e.g. "init" (every rank, every switch), "init@1" (TP rank 1 only), "init@1>null" (only
 # switches to null)
 FAULT_ENV = "TIDAL_SWITCH_FAULT"
-FAULT_STEPS = ("check", "cache", "init", "bootstrap", "commit")
 
 
 class SwitchFailed(Exception):

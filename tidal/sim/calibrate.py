@@ -157,8 +157,8 @@ def calibrate(bench: dict, cost: Any, cfg: SimConfig, limits: Limits, tolerance:
     if phases:
         out["phases"] = phases
     if bench.get("moves") or c.moves:
-        out["moves"] = {"live": [m for m in bench.get("moves") or []], "sim": sim_moves(c),
-                        "live_handovers": [h for h in bench.get("handovers") or []]}
+        out["moves"] = {"live": list(bench.get("moves") or []), "sim": sim_moves(c),
+                        "live_handovers": list(bench.get("handovers") or [])}
     return out
 
 
