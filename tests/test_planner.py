@@ -983,6 +983,45 @@ def test_a_new_mix_starts_a_new_burst_history():
     assert same.mix_shifts == 0 and same.traffic(299.0).prefill_peak_ratio > 2
 
 
+def test_a_slow_turn_to_long_answers_shows_in_the_prompts_the_workers_received():
+    """Live run 19's chat phase: 0.63 requests/s of 32-token prompts and 256-token answers (25 s each) after
+    90 s of 768 / 4. No window of 20 s holds 20 requests that arrived and finished in it, so the completion
+    test never fires and the lengths were the last 64 finished, the old mix's for most of 100 s (in 496 / out
+    71 tokens 55 s after the turn). The prefill worker's counters show the new prompts as they arrive."""
+    def run(counted: bool) -> tuple[list[tuple[float, float, float]], int]:
+        w = TrafficWindow(20.0, 0.0, burst_window_s=300.0)
+        prompts = tokens = 0
+        seen, finishing = [], []  # (at, window's mean prompt, mean answer); (ends at, arrived at, prompt, answer)
+        for step in range(0, 2000):
+            now = step * 0.1
+            if step % 16 == 0:  # an arrival every 1.6 s
+                chat = now >= 90.0
+                prompt, answer, length = (32, 256, 25.0) if chat else (768, 4, 1.0)
+                w.arrival(now)
+                prompts, tokens = prompts + 1, tokens + prompt
+                finishing.append((now + length, now, prompt, answer))
+            for end in [f for f in finishing if f[0] <= now]:
+                finishing.remove(end)
+                w.completion(now, Observation(path="pd", prompt_tokens=end[2], completion_tokens=end[3],
+                                              arrived_at=end[1]))
+            if step % 20 == 0:  # the planner's 2-s interval
+                loads = [WorkerLoad(url="p0", mode=PREFILL, prompts_received=prompts if counted else -1,
+                                    prompt_tokens_received=tokens if counted else -1)]
+                t = w.traffic(now, loads)
+                seen.append((now, t.mean_input_tokens, t.mean_output_tokens))
+        return seen, w.mix_shifts
+
+    seen, shifts = run(counted=True)
+    assert shifts == 1
+    after = [(t, prompt, answer) for t, prompt, answer in seen if t >= 130.0]
+    assert all(prompt == pytest.approx(32) and answer == pytest.approx(256) for _, prompt, answer in after)
+    assert all(prompt == pytest.approx(768) for t, prompt, _ in seen if 20.0 <= t < 90.0)
+    # without the counters (a worker that does not report them): the old mix for as long as run 19 saw it
+    seen, shifts = run(counted=False)
+    assert shifts == 0
+    assert max(prompt for t, prompt, _ in seen if t >= 145.0) > 300
+
+
 def test_a_lulls_stragglers_are_neither_a_new_mix_nor_the_mix():
     """After a burst, a window with no arrivals holds only the burst's long stragglers: too few to be a new
     mix (the burst history stays), and the lengths come from the history's last completions instead."""

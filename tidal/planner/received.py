@@ -51,10 +51,10 @@ class ReceivedPrompts:
         while self.received and self.received[0][0] <= now - self.window_s:
             self.received.popleft()
 
-    def mean_prompt(self) -> Optional[float]:
-        """The mean prompt of the requests received over the window; None with fewer than MIN_RECEIVED_SAMPLES,
-        or when a prefill or null worker does not count them."""
+    def mean_prompt(self, min_samples: int = MIN_RECEIVED_SAMPLES) -> Optional[float]:
+        """The mean prompt of the requests received over the window; None with fewer than `min_samples`, or when
+        a prefill or null worker does not count them."""
         prompts = sum(n for _, n, _ in self.received)
-        if not self.every_worker_reports or prompts < MIN_RECEIVED_SAMPLES:
+        if not self.every_worker_reports or prompts < min_samples:
             return None
         return sum(t for _, _, t in self.received) / prompts

@@ -252,19 +252,32 @@ class TrafficWindow:
 
     def _mix_shifted(self, edge: float) -> bool:
         """Whether the window's mean prompt or answer differs from the burst history's before the window
-        by MIX_SHIFT_RATIO or more: bursts of the old mix say little about the new one."""
+        by MIX_SHIFT_RATIO or more: bursts of the old mix say little about the new one. The prompts are also
+        compared as the workers received them (`_prompts_shifted`)."""
         before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+        if len(before) < MIN_MIX_SAMPLES:
+            return False
+        if self._prompts_shifted(_mean([p for p, _ in before if p > 0])):
+            return True
         # requests that arrived before the window and finished in it are the long tail of an older window
         # (after a burst, most of it), not a new mix
         window = [(p, c) for t, p, c, arrived in self.length_history
                   if t > edge and (arrived is None or arrived > edge)]
-        if len(before) < MIN_MIX_SAMPLES or len(window) < MIN_SHIFT_WINDOW_SAMPLES:
+        if len(window) < MIN_SHIFT_WINDOW_SAMPLES:
             return False
-        for k in (0, 1):
-            old, new = _mean([x[k] for x in before if x[k] > 0]), _mean([x[k] for x in window if x[k] > 0])
-            if old > 0 and new > 0 and max(old / new, new / old) >= MIX_SHIFT_RATIO:
-                return True
-        return False
+        return any(_far_apart(_mean([x[k] for x in before if x[k] > 0]), _mean([x[k] for x in window if x[k] > 0]))
+                   for k in (0, 1))
+
+    def _prompts_shifted(self, history_prompt: float) -> bool:
+        """Whether the prompts the workers received over the window (MIN_MIX_SAMPLES or more) are MIX_SHIFT_RATIO
+        times the history's mean prompt or a fraction of it. A request's lengths reach the window when it ends,
+        so the completion test needs MIN_SHIFT_WINDOW_SAMPLES requests that arrived and ended within one window:
+        at 0.63 requests/s of 256-token answers (a live run's chat phase) no window holds them, the lengths came
+        from the last MIN_LENGTH_SAMPLES requests for 100 s after the shift, half of them the old mix's, and the
+        planner moved a decode worker away inside the chat phase and back 50 s later. The prompts arrive
+        counted."""
+        received = self.received.mean_prompt(MIN_MIX_SAMPLES)
+        return received is not None and _far_apart(history_prompt, received)
 
     def traffic(self, now: float, loads: Optional[list[WorkerLoad]] = None) -> Traffic:
         """The window's traffic; `loads`, the workers' snapshots just taken, add the prompts they received."""
@@ -391,6 +404,11 @@ def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float 
     counts = sorted(bisect.bisect_left(ts, t + span_s / 2) - bisect.bisect_left(ts, t - span_s / 2) for t in ts)
     peak = counts[min(n - 1, int(quantile * n))] / span_s
     return max(1.0, peak / (over_rate or (n - 1) / (ts[-1] - ts[0])))
+
+
+def _far_apart(a: float, b: float) -> bool:
+    """Two mean lengths of different mixes: both known and MIX_SHIFT_RATIO or more apart, either way."""
+    return a > 0 and b > 0 and max(a / b, b / a) >= MIX_SHIFT_RATIO
 
 
 def _mean(values: list) -> float:
