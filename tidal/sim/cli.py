@@ -95,7 +95,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--target-attainment", type=float, default=0.9,
                    help="fraction of requests meeting both SLOs that counts as good (default: 0.9, DistServe's)")
     g.add_argument("--rate-tolerance", type=float, default=0.03,
-                   help="bisection stops when the rate bracket is this narrow, relative (default: 0.03)")
+                   help="the rate multipliers searched are powers of 1 + this: the search's precision (default: 0.03)")
     g.add_argument("--split-step", type=int, default=1,
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
