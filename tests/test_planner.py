@@ -1022,6 +1022,24 @@ def test_a_slow_turn_to_long_answers_shows_in_the_prompts_the_workers_received()
     assert max(prompt for t, prompt, _ in seen if t >= 145.0) > 300
 
 
+def test_the_counters_when_the_planner_starts_are_the_first_rounds_baseline():
+    """Traffic from the router's first second: with the counters of the planner's start as the baseline, its first
+    round (5 s on) has the prompts received since; without, that round's snapshot is only the baseline and the
+    mean is the finished requests' (the short prompts, which finish first)."""
+    def first_round(baseline: bool) -> float:
+        w = TrafficWindow(30.0, 0.0, burst_window_s=300.0)
+        if baseline:
+            w.baseline(0.0, [WorkerLoad(url="p0", mode=PREFILL, prompts_received=0, prompt_tokens_received=0)])
+        for k in range(30):  # 30 short prompts finished of 60 arrived
+            w.completion(4.0, Observation(path="pd", prompt_tokens=100, completion_tokens=20, arrived_at=1.0),
+                         w.arrival(1.0))
+        for _ in range(30):
+            w.arrival(2.0)
+        loads = [WorkerLoad(url="p0", mode=PREFILL, prompts_received=60, prompt_tokens_received=30 * 100 + 30 * 500)]
+        return w.traffic(5.0, loads).mean_input_tokens
+    assert first_round(baseline=True) == pytest.approx(300) and first_round(baseline=False) == pytest.approx(100)
+
+
 def test_a_lulls_stragglers_are_neither_a_new_mix_nor_the_mix():
     """After a burst, a window with no arrivals holds only the burst's long stragglers: too few to be a new
     mix (the burst history stays), and the lengths come from the history's last completions instead."""

@@ -74,6 +74,17 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
     assert 'tidal_router:planner_decisions_total{kind="hold"}' in metrics
 
 
+def test_the_planner_takes_the_workers_counters_as_it_starts(workers, tmp_path):
+    """Before its first round (an interval later) the planner snapshots every worker's prompt counters: the
+    baseline its first round counts the prompts received from."""
+    workers["p1"].load = {"num_reqs": 0, "prompts_received_total": 40, "prompt_tokens_received_total": 12000}
+    with router(workers, tmp_path, interval_s=30.0) as r:
+        received = r.state.planner.window.received
+        wait_for(lambda: workers["p1"].url in received.last, 10, "the baseline snapshot")
+        assert received.last[workers["p1"].url] == ("prefill", 40, 12000)
+        assert r.state.planner.last is None  # no round yet
+
+
 def test_advise_reports_the_move_it_would_make_and_moves_nothing(workers, tmp_path):
     """--planner advise: the same decisions as sla, each move reported (kind "advise": status, metrics, log)
     and not started, round after round."""

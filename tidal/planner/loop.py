@@ -97,9 +97,19 @@ class PlannerLoop:
         self._task = None
 
     async def _loop(self) -> None:
+        await self._baseline()
         while True:
             await asyncio.sleep(self.cfg.interval_s)
             await self._guarded_tick()
+
+    async def _baseline(self) -> None:
+        """The workers' counters as the planner starts (`TrafficWindow.baseline`)."""
+        try:
+            registry: WorkerRegistry = self.st.registry
+            await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
+            self.window.baseline(self.clock(), pool_loads(registry))
+        except Exception:  # the first round takes its own snapshot as the baseline instead
+            logger.exception("planner baseline failed")
 
     async def _guarded_tick(self) -> None:
         try:

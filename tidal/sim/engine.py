@@ -155,6 +155,7 @@ class Cluster:
             for move in self.cfg.replayed_moves:
                 self.at(move[0], self._replayed_move, move)
         elif self.cfg.planner.mode != "static":
+            self.window.baseline(self.now, pool_loads(self.registry))  # as the live loop does when it starts
             self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
         limit = self.cfg.stop_after_miss_fraction
