@@ -201,9 +201,9 @@ class TrafficWindow:
     def baseline(self, now: float, loads: list[WorkerLoad]) -> None:
         """The workers' counters when the planner starts: the prompts received from here on count at its first
         round. Without it the first round's snapshot is the baseline, and the first round decides on the
-        finished requests' prompts, the short ones (64 instances on the conversation trace: 189 tokens at t = 5
-        s against ~287 arrived; it held 32:32 and met the SLOs for 0.57 of the requests where a move at t = 5 s
-        toward 38:26 met them for 0.91 at a 4% higher rate)."""
+        finished requests' prompts, the short ones (64 instances on the conversation trace at rate scale 23: 189
+        tokens at t = 5 s where 228 had arrived; it held 32:32 and met the SLOs for 0.57 of the requests, 0.81
+        with this baseline)."""
         self.received.observe(now, loads)
 
     def arrival(self, now: float, requests: int = 1) -> Optional[InFlight]:
