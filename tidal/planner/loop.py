@@ -105,9 +105,8 @@ class PlannerLoop:
     async def _baseline(self) -> None:
         """The workers' counters as the planner starts (`TrafficWindow.baseline`)."""
         try:
-            registry: WorkerRegistry = self.st.registry
-            await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
-            self.window.baseline(self.clock(), pool_loads(registry))
+            loads = await self._fresh_loads()
+            self.window.baseline(self.clock(), loads)
         except Exception:  # the first round takes its own snapshot as the baseline instead
             logger.exception("planner baseline failed")
 
@@ -130,11 +129,16 @@ class PlannerLoop:
         async with self._round:
             return await self._tick()
 
-    async def _tick(self) -> Decision:
+    async def _fresh_loads(self) -> list[WorkerLoad]:
+        """Every healthy worker's /get_load, refreshed now, as the planner reads them."""
         registry: WorkerRegistry = self.st.registry
         await asyncio.gather(*(self.st.checker.refresh_load(w) for w in registry.all() if w.healthy))
+        return pool_loads(registry)
+
+    async def _tick(self) -> Decision:
+        loads = await self._fresh_loads()
         now = self.clock()
-        self.last_loads = pool_loads(registry)
+        self.last_loads = loads
         traffic = self.window.traffic(now, self.last_loads)
         while True:
             d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
