@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from tidal.planner.decide import PlannerState, decide, pool_counts
+from tidal.planner.predict import NEVER, CostPredictor, PoolLoad
 from tidal.planner.schema import DECODE, NULL, PREFILL, PlannerConfig, Traffic, WorkerLoad
 from tidal.planner.window import (Observation, StreamTally, TrafficWindow, body_token_counts, censored_mean,
                                   stream_observation)
@@ -772,6 +773,39 @@ def test_in_overload_a_decode_pool_that_meets_the_tpot_slo_is_not_traded_for_one
     short = at(50)
     assert short.kind == "move" and (short.src, short.dst) == (DECODE, PREFILL), short.reason
     assert short.target.pools[DECODE] == 1 and short.target.paths["pd"].tpot_s <= 0.03
+
+
+def test_in_overload_the_layout_whose_prefill_side_falls_behind_least_wins():
+    """4 prefill : 4 decode, 40 prompts of 500 tokens queued (20 s of one worker's prefill), 9 requests/s: no
+    layout meets the SLOs at any rate. Each prefill worker passes 2 prompts/s, so 4 fall behind by 1/s, 5 work
+    the backlog off in 40 s and 6 in 13 s; 7:1's one decode worker misses the 30-ms TPOT SLO. The planner heads
+    for 6:2 and says why in backlog terms."""
+    loads = layout(4, 4, 0, prefill={"queued_prefill_tokens": 5000})  # 20000 in all
+    d = decide(NOW, cfg(tpot_slo_s=0.03, max_concurrent_moves=2), PlannerState(), loads,
+               Traffic(arrival_rate=9.0, mean_input_tokens=500, mean_output_tokens=40), COST)
+    assert d.current.capacity == 0 and d.current.drain_rate == pytest.approx(-1.0)
+    assert d.current.recovery_s == NEVER
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
+    assert (d.target.pools[PREFILL], d.target.pools[DECODE]) == (6, 2), d.reason
+    assert d.target.recovery_s == pytest.approx(40 / 3) and "backlog" in d.reason
+
+
+def test_in_overload_with_no_layout_catching_up_the_target_falls_behind_least():
+    """64 workers, a backlog that no layout meeting the TPOT SLO works off: the planner heads for the one that
+    falls behind least, the most prefill workers whose decode pool still meets the TPOT SLO, the same as a
+    search of every layout finds (the coarse grid's best misses the TPOT SLO; the refinement centres on the
+    best that may be chosen)."""
+    c = cfg(tpot_slo_s=0.03)
+    traffic = Traffic(arrival_rate=70.0, mean_input_tokens=500, mean_output_tokens=170)
+    loads = layout(12, 52, 0, prefill={"queued_prefill_tokens": 10000})
+    d = decide(NOW, c, PlannerState(), loads, traffic, COST)
+    assert d.current.recovery_s == NEVER and d.target.recovery_s == NEVER
+    predictor = CostPredictor(COST, c.ttft_slo_s, c.tpot_slo_s, c.interval_s)
+    load = PoolLoad([w for w in loads])
+    feasible = [p for p in range(1, 64)
+                if predictor.predict({PREFILL: p, DECODE: 64 - p, NULL: 0}, load, traffic).paths["pd"].tpot_s <= 0.03]
+    assert d.target.pools[PREFILL] == max(feasible), d.reason
+    assert d.kind == "move" and "backlog grows" in d.reason
 
 
 def test_moves_toward_a_committed_target_go_on_below_the_hysteresis():

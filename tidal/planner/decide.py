@@ -14,7 +14,9 @@ while it stays the best layout (`PlannerState.committed`: without the hysteresis
 would stop the walk short where the remaining gain is smaller), up to `max_concurrent_moves` at once. Aiming at capacity
 rather than at today's latency keeps headroom for bursts and makes the target depend on the
 mix, not on how loaded the cluster happens to be; when no layout meets the SLOs even at a
-small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by today's score. The prompt
+small fraction of the rate (a backlog larger than the TTFT SLO), it ranks by how soon the layout works the
+backlog off while today's rate keeps arriving, or where none does, by how slowly the backlog grows
+(`Prediction.recovery_s`, `drain_rate`: every arrival until then misses), then by today's score. The prompt
 lengths are the window's, or the queued prompts' when enough wait and they are another mix
 (`queued.queued_mix`: the window learns a length only when its request finishes).
 When no layout meets today's rate and the heading layout's decode side meets the TPOT SLO at it,
@@ -44,7 +46,7 @@ from typing import Any, Iterable, Optional
 
 import msgspec
 
-from tidal.planner.predict import CostPredictor, ObservedPredictor, PoolLoad
+from tidal.planner.predict import NEVER, CostPredictor, ObservedPredictor, PoolLoad
 from tidal.planner.queued import queued_mix
 from tidal.planner.schema import (
     DECODE,
@@ -259,10 +261,31 @@ def rated(predictor: Any, layout: dict[str, int], load: PoolLoad, traffic: Traff
 
 
 def better(a: Prediction, b: Prediction) -> bool:
-    """a ranks above b: more capacity, or, when neither meets the SLOs at any rate, a lower score."""
+    """a ranks above b: more capacity, or, when neither meets the SLOs at any rate, a sooner recovery from the
+    backlog, or, at the same, a lower score."""
     if a.capacity or b.capacity:
         return a.capacity > b.capacity
+    if recovers(a, b) is not None:
+        return recovers(a, b)
     return a.score < b.score
+
+
+def backlog_key(a: Prediction) -> Optional[tuple[int, float]]:
+    """Lower is better: no backlog; one worked off, the sooner the better; one that grows, the slower the
+    better. None where not predicted."""
+    if a.recovery_s is None:
+        return None
+    if a.recovery_s == 0 or a.drain_rate is None:
+        return 0, 0.0
+    return (1, a.recovery_s) if a.recovery_s < NEVER else (2, -a.drain_rate)
+
+
+def recovers(a: Prediction, b: Prediction) -> Optional[bool]:
+    """Whether a does better than b with the backlog (`backlog_key`), where both predict it and differ; else None."""
+    ka, kb = backlog_key(a), backlog_key(b)
+    if ka is None or kb is None or ka == kb:
+        return None
+    return ka < kb
 
 
 def best_of(preds: Iterable[Prediction]) -> Prediction:
@@ -277,7 +300,12 @@ def best_of(preds: Iterable[Prediction]) -> Prediction:
 def near(a: Prediction, best: Prediction) -> bool:
     if best.capacity:
         return a.capacity >= best.capacity * (1 - NEAR_TIE)
-    return not a.capacity and a.score <= best.score * (1 + NEAR_TIE)
+    if a.capacity:
+        return False
+    ka, kb = backlog_key(a), backlog_key(best)
+    if ka is not None and kb is not None and ka != kb:  # near: the same kind, within NEAR_TIE
+        return ka[0] == kb[0] and abs(ka[1] - kb[1]) <= NEAR_TIE * abs(kb[1])
+    return a.score <= best.score * (1 + NEAR_TIE)
 
 
 def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic: Traffic,
@@ -297,22 +325,27 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
                 if pred is not None:
                     seen[key] = pred
 
+    def ranked() -> tuple[list[Prediction], Prediction]:
+        """The layouts seen that may be chosen, and the best of them."""
+        pool = list(seen.values())
+        best = best_of(pool)
+        if best.capacity < 1.0 and current_rated is not None and meets_tpot(current_rated, predictor.tpot_slo_s):
+            # overload: a prefill backlog drains; a decode pool past the TPOT SLO fails every request it serves
+            keep = [x for x in pool if meets_tpot(x, predictor.tpot_slo_s)]
+            if keep:
+                return keep, best_of(keep)
+        return pool, best
+
     step = 1 if total <= GRID_FULL else math.ceil(total / 16)
     visit(grid(total, step))
     visit([current])
     while step > 1 and seen:
         step = math.ceil(step / 2)
-        best = best_of(seen.values())
+        _, best = ranked()  # refined around the best that may be chosen
         visit(grid(total, step, (best.pools[PREFILL], best.pools[DECODE])))
     if not seen:
         return None
-    best = best_of(seen.values())
-    pool = list(seen.values())
-    if best.capacity < 1.0 and current_rated is not None and meets_tpot(current_rated, predictor.tpot_slo_s):
-        # overload: a prefill backlog drains; a decode pool past the TPOT SLO fails every request it serves
-        keep = [x for x in pool if meets_tpot(x, predictor.tpot_slo_s)]
-        if keep:
-            pool, best = keep, best_of(keep)
+    pool, best = ranked()
     if best.capacity and isinstance(predictor, CostPredictor):
         bursty = predictor.with_decode_bursts()
         sturdy = [x for x in pool if x.capacity >= best.capacity * (1 - NEAR_BEST) and robust(bursty, x, load,
@@ -320,7 +353,7 @@ def best_layout(predictor: Any, current: dict[str, int], load: PoolLoad, traffic
         if sturdy:
             pool, best = sturdy, max(sturdy, key=lambda x: x.capacity)
     ties = [x for x in pool if near(x, best)]
-    return min(ties, key=lambda x: (moves_between(current, x.pools), -x.capacity, x.score))
+    return min(ties, key=lambda x: (moves_between(current, x.pools), -x.capacity, backlog_key(x) or (0, 0.0), x.score))
 
 
 def meets_tpot(pred: Prediction, tpot_slo_s: float) -> bool:
@@ -355,13 +388,20 @@ def kept_target(predictor: Any, state: PlannerState, heading: dict[str, int], be
 def gain_enough(current: Prediction, target: Prediction, hysteresis: float) -> tuple[bool, str]:
     """Whether heading for `target` pays: capacity up by the hysteresis (relative), or by MEETS_TODAY_GAIN
     when the target meets today's rate and the current layout does not; when neither meets the SLOs at
-    any rate, the score down by the hysteresis (absolute) and by MIN_RELATIVE_GAIN of it."""
+    any rate, the backlog worked off sooner by the hysteresis (relative; from never, at all), or where both
+    recover as soon, the score down by the hysteresis (absolute) and by MIN_RELATIVE_GAIN of it."""
     if target.capacity:
         what = f"capacity {current.capacity:.2f}x -> {target.capacity:.2f}x the rate"
         if current.capacity < 1.0 <= target.capacity and target.capacity >= current.capacity * (1 + MEETS_TODAY_GAIN):
             return True, f"{what} (meets today's rate)"
         ok = target.capacity >= current.capacity * (1 + hysteresis) and target.capacity > current.capacity
         return ok, what
+    if recovers(target, current):
+        if target.recovery_s < NEVER:
+            what = f"backlog worked off in {_seconds(current.recovery_s)} -> {_seconds(target.recovery_s)}"
+            return target.recovery_s <= current.recovery_s * (1 - hysteresis), what
+        what = f"backlog grows by {-current.drain_rate:.1f} -> {-target.drain_rate:.1f} prompts/s"
+        return -target.drain_rate <= -current.drain_rate * (1 - hysteresis), what
     needed = max(hysteresis, MIN_RELATIVE_GAIN * current.score)
     return current.score - target.score >= needed, f"score {current.score:.3f} -> {target.score:.3f}"
 
@@ -465,6 +505,10 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
                     dst=best.dst, current=current, best=best, candidates=cands, target=target,
                     reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
                            f"{best.src}->{best.dst}")
+
+
+def _seconds(recovery_s: float) -> str:
+    return "never" if recovery_s >= NEVER else f"{recovery_s:.0f} s"
 
 
 def _brief(pools: dict[str, int]) -> str:

@@ -75,6 +75,7 @@ from tidal.planner.schema import (
 )
 
 UNSERVABLE = 1e9  # score of a layout that serves nothing
+NEVER = 1e9  # recovery_s of a layout whose prefill side passes no more prompts than arrive
 # a prefill step's token budget when the cost model does not record the server's: the server's default
 DEFAULT_PREFILL_STEP_TOKENS = prefill_step_tokens(ServerArgs.chunked_prefill_size, ServerArgs.max_prefill_tokens)
 MAX_STALL = 0.95  # a null worker never spends more than this fraction prefilling, in the model
@@ -163,14 +164,28 @@ class CostPredictor:
         out = max(traffic.mean_output_tokens, 1.0)
         self.decode_peak = self._decode_peak(out)
         paths = {}
+        recovery, drain = 0.0, math.inf
         for path, share in shares.items():
             lam = traffic.arrival_rate * share
             ttft, tpot = (self._pd(pools, load, lam, inp, out) if path == PD_PATH
                           else self._whole(pools, load, lam, inp, out))
             paths[path] = PathPrediction(share=share, ttft_s=ttft, tpot_s=tpot,
                                          score=path_score(ttft, tpot, self.ttft_slo_s, self.tpot_slo_s))
+            mode, n = (PREFILL, pools[PREFILL]) if path == PD_PATH else whole_workers(pools)
+            backlog = load.queued_prefill_tokens[mode]
+            if backlog > 0:
+                surplus = self._prefill_surplus(n, lam, inp)
+                drain = min(drain, surplus)
+                recovery = max(recovery, min(NEVER, backlog / inp / surplus) if surplus > 0 else NEVER)
         return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),
-                          note="cost model")
+                          recovery_s=recovery, drain_rate=None if drain == math.inf else drain, note="cost model")
+
+    def _prefill_surplus(self, workers: int, lam: float, inp: float) -> float:
+        """Prompts a second that `workers` prefilling at full steps pass beyond the `lam` that arrive (a null
+        worker's decode steps left out)."""
+        p, _ = self._prefill_moments(inp, self.deciles)
+        batch, step = self._prefill_batch(math.inf, inp, p)
+        return workers * batch / step - lam if step > 0 else -lam
 
     def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float,
                        deciles: Sequence[int] = ()) -> tuple[float, float]:
