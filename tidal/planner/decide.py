@@ -265,9 +265,8 @@ def better(a: Prediction, b: Prediction) -> bool:
     backlog, or, at the same, a lower score."""
     if a.capacity or b.capacity:
         return a.capacity > b.capacity
-    if recovers(a, b) is not None:
-        return recovers(a, b)
-    return a.score < b.score
+    sooner = recovers(a, b)
+    return a.score < b.score if sooner is None else sooner
 
 
 def backlog_key(a: Prediction) -> Optional[tuple[int, float]]:

@@ -174,18 +174,17 @@ class CostPredictor:
             mode, n = (PREFILL, pools[PREFILL]) if path == PD_PATH else whole_workers(pools)
             backlog = load.queued_prefill_tokens[mode]
             if backlog > 0:
-                surplus = self._prefill_surplus(n, lam, inp)
+                surplus = n * self._full_step_pace(inp) - lam  # a null worker's decode steps left out
                 drain = min(drain, surplus)
                 recovery = max(recovery, min(NEVER, backlog / inp / surplus) if surplus > 0 else NEVER)
         return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),
                           recovery_s=recovery, drain_rate=None if drain == math.inf else drain, note="cost model")
 
-    def _prefill_surplus(self, workers: int, lam: float, inp: float) -> float:
-        """Prompts a second that `workers` prefilling at full steps pass beyond the `lam` that arrive (a null
-        worker's decode steps left out)."""
+    def _full_step_pace(self, inp: float) -> float:
+        """Prompts a second one worker passes at full batched prefill steps (0 if a step costs nothing known)."""
         p, _ = self._prefill_moments(inp, self.deciles)
         batch, step = self._prefill_batch(math.inf, inp, p)
-        return workers * batch / step - lam if step > 0 else -lam
+        return batch / step if step > 0 else 0.0
 
     def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float,
                        deciles: Sequence[int] = ()) -> tuple[float, float]:
@@ -294,9 +293,8 @@ class CostPredictor:
         # (peak-rate decodes ranked 14:2 above the code trace's best split, 15:1, in the simulator)
         lam_d = lam
         if self.decode_bursts:
-            p, _ = self._prefill_moments(inp, self.deciles)
-            batch, step = self._prefill_batch(math.inf, inp, p)  # the prefill pool's pace at full steps
-            lam_d = max(lam, min(lam * self.decode_peak, n_p * batch / step if step > 0 else lam))
+            pace = self._full_step_pace(inp)
+            lam_d = max(lam, min(lam * self.decode_peak, n_p * pace if pace > 0 else lam))
         tpot, extra = self._decode(lam_d / n_d, load.running[DECODE] / n_d, inp, out, load, 0.0, lam / n_d)
         return prefill_ttft + self.cost.kv_transfer_seconds(int(inp)) + extra, tpot
 
