@@ -790,6 +790,27 @@ def test_in_overload_the_layout_whose_prefill_side_falls_behind_least_wins():
     assert d.target.recovery_s == pytest.approx(40 / 3) and "backlog" in d.reason
 
 
+def test_in_overload_a_null_path_without_a_backlog_that_falls_behind_does_not_recover():
+    """6 prefill : 2 decode, 10 prompts of 500 tokens queued on each prefill worker, 9 requests/s; a worker passes
+    ~2 prompts/s. Null workers start with no backlog, but the router sends them a share of the arrivals: one null
+    beside one decode worker takes half (4.5/s) and falls behind from the start, so 6:1:1 never recovers, while
+    4 null workers beside one decode take 7.2/s, which they pass, and only the PD path's backlog counts. A planner
+    that counted backlogs only where they are today moved a backlogged prefill worker to null in a code burst and
+    back 15 s later (the shifting mix, shipped profile). With a TPOT SLO that every path meets, the prefill side
+    decides: the planner heads for 7:1, which works the backlog off soonest."""
+    loads = layout(6, 2, 0, prefill={"queued_prefill_tokens": 5000})
+    c = cfg(tpot_slo_s=5.0, max_concurrent_moves=4)
+    traffic = Traffic(arrival_rate=9.0, mean_input_tokens=500, mean_output_tokens=40)
+    predictor = CostPredictor(COST, c.ttft_slo_s, c.tpot_slo_s, c.interval_s)
+    load = PoolLoad(loads)
+    behind = predictor.predict({PREFILL: 6, DECODE: 1, NULL: 1}, load, traffic)
+    assert behind.recovery_s == NEVER and behind.drain_rate < 0
+    keeps_up = predictor.predict({PREFILL: 3, DECODE: 1, NULL: 4}, load, traffic)
+    assert 0 < keeps_up.recovery_s < NEVER and keeps_up.drain_rate > 0
+    d = decide(NOW, c, PlannerState(), loads, traffic, COST)
+    assert d.kind == "move" and d.target.pools == {PREFILL: 7, DECODE: 1, NULL: 0}, d.reason
+
+
 def test_in_overload_with_no_layout_catching_up_the_target_falls_behind_least():
     """64 workers, a backlog that no layout meeting the TPOT SLO works off: the planner heads for the one that
     falls behind least, the most prefill workers whose decode pool still meets the TPOT SLO, the same as a

@@ -173,8 +173,8 @@ class CostPredictor:
                                          score=path_score(ttft, tpot, self.ttft_slo_s, self.tpot_slo_s))
             mode, n = (PREFILL, pools[PREFILL]) if path == PD_PATH else whole_workers(pools)
             backlog = load.queued_prefill_tokens[mode]
-            if backlog > 0:
-                surplus = n * self._full_step_pace(inp) - lam  # a null worker's decode steps left out
+            surplus = n * self._full_step_pace(inp) - lam  # a null worker's decode steps left out
+            if backlog > 0 or surplus <= 0:  # a path without a backlog that falls behind grows one
                 drain = min(drain, surplus)
                 recovery = max(recovery, min(NEVER, backlog / inp / surplus) if surplus > 0 else NEVER)
         return Prediction(pools=dict(pools), paths=paths, score=max(p.score for p in paths.values()),

@@ -77,8 +77,8 @@ class Prediction(msgspec.Struct, kw_only=True):
     capacity: float = 0.0
     # the prefill backlog (queued prefill tokens) against the prefill side's pace at full steps while today's rate
     # keeps arriving, on the path where it clears last: the seconds until it is worked off (0 without a backlog,
-    # NEVER when it is not), and the prompts a second the pace passes beyond the arrivals (negative: it grows);
-    # None: not predicted
+    # NEVER when it is not, or when a path without one falls behind the arrivals and grows one), and the prompts a
+    # second the pace passes beyond the arrivals (negative: it grows); None: not predicted
     recovery_s: Optional[float] = None
     drain_rate: Optional[float] = None
     note: str = ""
