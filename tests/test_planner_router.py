@@ -220,7 +220,7 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
     """A move through /admin/set_worker_role is known to the planner as its own moves are: the reversal and
     the worker cooldowns run from it (so the next round does not undo it), and the layout the planner had
     committed to is dropped."""
-    with router(workers, tmp_path, interval_s=60.0, cooldown_s=30.0, worker_cooldown_s=30.0) as r:
+    with router(workers, tmp_path, interval_s=60.0, cooldown_s=30.0, worker_cooldown_s=None) as r:
         planner = r.state.planner
         planner.state.committed = {"null": 0, "prefill": 2, "decode": 1}
         d2 = workers["d2"].url
@@ -233,8 +233,31 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
         assert planner.heading_layout() == {"null": 0, "prefill": 2, "decode": 1}
         status = httpx.get(r.url + "/planner/status").json()
         assert "decode->prefill" in status["cooldown"]["recent_moves"]
+        assert status["config"]["worker_cooldown_s"] == 90.0  # as it applies: the default, 3x the cooldown
         assert status["cooldown"]["workers"][d2]["blocked"].startswith("worker cooldown")
         workers["d1"].fail_switch = True  # a failed hand move backs the worker off, as a failed planner move
         resp = r.post("/admin/set_worker_role", {"url": workers["d1"].url, "mode": "null"})
         assert resp.status_code == 500 and planner.state.workers[workers["d1"].url].failures == 1
     workers["d1"].fail_switch = False
+
+
+def test_a_repeated_hold_is_logged_once_at_info(caplog):
+    """An idle router holds every interval for the same cause: the first such hold is an INFO line, its repeats on
+    the same pools DEBUG lines; a new cause, or a move, is INFO again."""
+    import logging
+    from types import SimpleNamespace
+
+    from tidal.planner.loop import PlannerLoop
+    from tidal.planner.schema import Decision, Traffic, WorkerLoad
+    from tidal.router.metrics import RouterMetrics
+
+    loop = PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(metrics=RouterMetrics()), clock=lambda: 0.0)
+    loop.last_loads = [WorkerLoad(url="http://p", mode="prefill"), WorkerLoad(url="http://d", mode="decode")]
+    idle = Decision(at=0.0, kind="hold", why="no_arrivals", reason="no arrivals in the window")
+    busy = Decision(at=0.0, kind="hold", why="gain_too_small", reason="the best layout gains too little")
+    caplog.set_level(logging.DEBUG, logger="tidal.planner.loop")
+    for d in (idle, idle, idle, busy, idle):
+        loop._record(d, Traffic())
+    levels = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records if r.getMessage().startswith("planner: ")]
+    assert levels == [("INFO", "planner: hold"), ("DEBUG", "planner: hold"), ("DEBUG", "planner: hold"),
+                      ("INFO", "planner: hold"), ("INFO", "planner: hold")]

@@ -278,7 +278,8 @@ def test_phase_layouts_are_checked(capsys):
     (["--instances", "-3"], "--instances must be >= 1"),
     (["--prefill", "-1"], "--prefill must be >= 0"),
     (["--profile", "/nonexistent.json"], "profile /nonexistent.json"),
-    (["--planner-profile", "/nonexistent.json"], "profile /nonexistent.json"),
+    (["--planner-profile", "/nonexistent.json"], "--planner-profile: cannot read profile /nonexistent.json"),
+    (["--instances", "1"], "the layout 0:1 (+ 0 null) serves no request: it needs a null server (--null)"),
     (["--ttft-slo-ms", "-1"], "--ttft-slo-ms"),
     (["--planner-interval-s", "0"], "--planner-interval-s"),
     (["--planner-max-concurrent-moves", "0"], "--planner-max-concurrent-moves"),
@@ -596,7 +597,7 @@ def test_every_phase_of_the_workload_is_listed_even_without_arrivals():
     assert all(set(p) == {"phase", "mix", "start_s", "requests", "slo_attainment"} for p in phases)
 
 
-def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
+def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path, capsys):
     d = sim_json(tmp_path, "goodput", "goodput", "--instances", "3", "--workload", "azure-conv",
                  "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200",
                  "--rate-tolerance", "0.1")
@@ -604,6 +605,13 @@ def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path):
     assert names == ["colocated", "static 1:2", "static 2:1", "planner from 1:2"]
     assert sum(1 for r in d["results"] if r.get("best_static")) == 1
     assert all(r["goodput_rps"] > 0 for r in d["results"])
+    # with the JSON in a file, stderr still shows the comparison: a line per layout, the best split marked
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("tidal sim goodput: ")]
+    assert [x.split(": ")[1] for x in lines] == names
+    best = next(r for r in d["results"] if r.get("best_static"))
+    assert sum("the best static split" in x and "x the best" not in x for x in lines) == 1
+    assert f"{best['layout']}: {best['goodput_rps']:g} requests/s" in "\n".join(lines)
+    assert f"{d['planner_vs_best_static']:g}x the best static split" in lines[-1] and "moves at its goodput" in lines[-1]
 
 
 def test_cli_refuses_a_layout_that_does_not_add_up(capsys):

@@ -222,7 +222,7 @@ class ServerArgs:
         if self.torch_compile_max_bs < 1:
             raise ValueError("--torch-compile-max-bs must be >= 1")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
-            raise ValueError("--chunked-prefill-size must be -1 (off) or >= --page-size")
+            raise ValueError(f"--chunked-prefill-size must be -1 (off) or >= --page-size ({self.page_size})")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:

@@ -82,6 +82,7 @@ class PlannerLoop:
         self._walk: Optional[asyncio.Task] = None  # a round started by a move that landed mid-walk
         self._moves: set[asyncio.Task] = set()
         self._round = asyncio.Lock()
+        self._last_hold: Optional[tuple] = None  # (why, pools) of the last decision, when it was a hold
 
     # ------------------------------------------------------------ lifecycle
 
@@ -188,9 +189,14 @@ class PlannerLoop:
         _set_latency_gauges(m.planner_predicted_ttft, m.planner_predicted_tpot, d.current)
         _set_observed(m.planner_observed_ttft, m.planner_observed_tpot, traffic)
         pred = d.current
-        logger.info("planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason,
-                    pool_counts(self.last_loads), traffic.arrival_rate, traffic.mean_input_tokens,
-                    traffic.mean_output_tokens, _brief(pred))
+        pools = pool_counts(self.last_loads)
+        # a hold for the same cause on the same pools as the last one logged is a DEBUG line: an idle router
+        # would repeat it every interval
+        hold = (d.why, tuple(sorted(pools.items()))) if d.kind == "hold" else None
+        log = logger.debug if hold is not None and hold == self._last_hold else logger.info
+        self._last_hold = hold
+        log("planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason, pools,
+            traffic.arrival_rate, traffic.mean_input_tokens, traffic.mean_output_tokens, _brief(pred))
 
     # ------------------------------------------------------------ status
 
@@ -199,7 +205,8 @@ class PlannerLoop:
         d = self.last
         return {
             "mode": self.cfg.mode,
-            "config": msgspec.to_builtins(self.cfg),
+            # worker_cooldown_s as it applies (the flag's default is 3x the cooldown)
+            "config": {**msgspec.to_builtins(self.cfg), "worker_cooldown_s": self.cfg.per_worker_cooldown_s},
             "cost_model": self.profile_path if self.cost is not None else None,
             "prediction": "cost model from --planner-profile" if self.cost is not None
             else "no --planner-profile: observed TTFT/TPOT scaled by the per-worker load ratio",
@@ -209,7 +216,7 @@ class PlannerLoop:
             "traffic": msgspec.to_builtins(self.window.traffic(now)),
             "current": msgspec.to_builtins(d.current) if d is not None else None,
             "candidates": msgspec.to_builtins(d.candidates) if d is not None else [],
-            "decisions": [_summary(x, time.time() - now) for x in reversed(self.decisions)],
+            "decisions": [_summary(x, time.time() - now) for x in reversed(self.decisions)],  # newest first
             "cooldown": self.state.to_dict(now, self.cfg),
         }
 

@@ -160,8 +160,8 @@ def check_args(ns: argparse.Namespace) -> None:
     try:
         limits(ns)
         planner_config_from_namespace(ns)
-    except ValueError as e:
-        fail(str(e))
+    except ValueError as e:  # a simulated server has the default page size: no --page-size to name
+        fail(str(e).replace("--page-size (", "the page size ("))
     for flag, path in (("--output", ns.output), ("--plot", ns.plot)):
         if path:
             check_writable(flag, path)
@@ -222,17 +222,18 @@ def layout(ns: argparse.Namespace) -> tuple[int, int, int]:
     if min(n, k, p, d) < 0 or k + p + d != n:
         fail(f"--null {k} + --prefill {p} + --decode {d} must add up to --instances {n}, none below 0")
     if not has_path({"null": k, "prefill": p, "decode": d}):
-        fail("need a null server, or a prefill and a decode server")
+        fail(f"the layout {p}:{d} (+ {k} null) serves no request: it needs a null server (--null), or a prefill and "
+             "a decode server (--prefill, --decode)")
     return k, p, d
 
 
-def load_cost(path: str) -> Any:
+def load_cost(path: str, flag: str = "--profile") -> Any:
     from tidal.profile.cost import CostModel
 
     try:
         return CostModel.from_file(path)
-    except (OSError, ValueError) as e:  # ProfileFormatError is a ValueError
-        fail(f"profile {path}: {e}")
+    except (OSError, ValueError) as e:  # ProfileFormatError is a ValueError, its message names the file
+        fail(f"{flag}: {e}" if str(path) in str(e) else f"{flag} {path}: {e}")
 
 
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
@@ -355,7 +356,7 @@ def run_sim(ns: argparse.Namespace) -> int:
     except ValueError as e:
         fail(str(e))
     cost = load_cost(ns.profile)
-    planner_cost = load_cost(ns.planner_profile) if ns.planner_profile else None
+    planner_cost = load_cost(ns.planner_profile, "--planner-profile") if ns.planner_profile else None
     if ns.action != "calibrate":  # calibrate replays --bench-json, not the workload
         layout(ns)  # a bad --null/--prefill/--decode before the warnings below
         check_workload(ns, spec, cost)
@@ -364,9 +365,11 @@ def run_sim(ns: argparse.Namespace) -> int:
 
         return run_calibrate(ns, cost, limits(ns))
     if ns.action == "goodput":
-        from tidal.sim.goodput import run_goodput
+        from tidal.sim.goodput import run_goodput, summary_lines
 
-        write_json(run_goodput(ns, cost, planner_cost), ns.output)
+        out = run_goodput(ns, cost, planner_cost)
+        write_json(out, ns.output)
+        sys.stderr.write("".join(line + "\n" for line in summary_lines(out)))
         return 0
     k, p, d = layout(ns)
     config = run_config(ns)

@@ -175,3 +175,20 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
             "planner_flags": planner_flags(ns),
             "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}
+
+
+def summary_lines(report: dict) -> list[str]:
+    """The comparison at a glance, for stderr (the JSON report is long): one line per layout searched, the
+    best static split marked, the planner's ratio to it."""
+    out = []
+    for r in report["results"]:
+        line = f"tidal sim goodput: {r['layout']}: {r['goodput_rps']:g} requests/s (rate scale {r['rate_scale']:g})"
+        if r.get("best_static"):
+            line += ", the best static split"
+        if r["planner"] == "sla" and report["planner_vs_best_static"] is not None:
+            line += f", {report['planner_vs_best_static']:g}x the best static split"
+        if "moves_at_goodput" in r:
+            line += f"; {r['moves_at_goodput']} moves at its goodput ({r['moves_failed']} failed)"
+        out.append(line + (" (simulated)" if r is report["results"][-1] else ""))
+    return out
+
