@@ -642,3 +642,15 @@ def test_cli_goodput_layouts_picks_what_to_search(tmp_path):
                  "--tpot-slo-ms", "200", "--rate-tolerance", "0.1", "--layouts", "planner")
     assert [r["layout"] for r in d["results"]] == ["planner from 1:1 + 1 null"]
     assert d["planner_vs_best_static"] is None and d["planner_flags"]["planner_hysteresis"] == 0.3
+
+
+def test_a_run_where_most_requests_miss_says_what_to_try(tmp_path, capsys):
+    """The defaults (full-length code prompts, a 2-s TTFT SLO) on 3 servers meet almost nothing: the summary
+    line is followed by a hint; a run that meets the SLOs gets none."""
+    sim_json(tmp_path, "missed", "--instances", "3", "--duration-s", "20")
+    err = capsys.readouterr().err
+    assert "0.0% met both SLOs" in err and "most requests missed an SLO: try a lower --rate-scale" in err
+    sim_json(tmp_path, "met", "--instances", "3", "--duration-s", "60", "--length-scale", "0.25", "--ttft-slo-ms",
+             "8000", "--tpot-slo-ms", "200", "--rate-scale", "0.05")
+    err = capsys.readouterr().err
+    assert "100.0% met both SLOs" in err and "most requests missed" not in err

@@ -336,6 +336,9 @@ def check_workload(ns: argparse.Namespace, spec: WorkloadSpec, cost: Any) -> Non
         sys.stderr.write(f"warning: --profile {ns.profile}: {warning}; the cost model extrapolates\n")
 
 
+OVERLOADED_ATTAINMENT = 0.5  # below it a run's summary line is followed by a hint
+
+
 def one_line(s: dict, moves: int) -> str:
     """The run at a glance, for stderr: the JSON report can be long."""
     met = "n/a" if s["slo_attainment"] is None else f"{s['slo_attainment']:.1%}"
@@ -379,6 +382,11 @@ def run_sim(ns: argparse.Namespace) -> int:
     out = report(c, config, virtual_span(spec), phases, mixes)
     write_json(out, ns.output)
     sys.stderr.write(one_line(out["summary"], len(c.moves)) + "\n")
+    met = out["summary"]["slo_attainment"]
+    if met is not None and met < OVERLOADED_ATTAINMENT:
+        sys.stderr.write("tidal sim: most requests missed an SLO: try a lower --rate-scale, or lengths and SLOs the "
+                         "profile can meet (docs/elasticity.md's runs: --length-scale 0.25 --ttft-slo-ms 8000 "
+                         "--tpot-slo-ms 200); `tidal sim goodput` finds the highest rate that meets them\n")
     if ns.plot:
         plot(c, ns.plot, f"tidal sim (simulated, profile {os.path.basename(ns.profile)}): {ns.workload}, "
                          f"{ns.instances} instances, planner {config['planner']}", phases, mixes, virtual_span(spec))
