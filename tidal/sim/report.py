@@ -120,7 +120,7 @@ def plot(c: Cluster, path: str, title: str = "", phase_s: Optional[float] = None
         ax.axhline(limit, color="k", linestyle="--", label=f"SLO {limit:g} s")
         ax.set_yscale("log")
         ax.set_ylabel(label)
-        ax.legend(loc="upper right")
+        _legend_outside(ax)
     if phase_s:
         _shade_phases(axes, c, phase_s, mixes, span_s)
     axes[2].set_xlabel("virtual time (s); latencies at each request's arrival")
@@ -134,17 +134,24 @@ def _shade_phases(axes: Any, c: Cluster, phase_s: float, mixes: tuple[str, str],
         for i, ax in enumerate(axes):
             ax.axvspan(k * phase_s, min((k + 1) * phase_s, end), color="tab:purple", alpha=0.08,
                        label=f"{mixes[1]} phases" if i == 0 and k == 1 and mixes[1] else None)
-    axes[0].legend(loc="upper right")
+    _legend_outside(axes[0])
 
 
 def _pools(ax: Any, c: Cluster) -> None:
     end = max(c.now, c.pools[-1]["t"] if c.pools else 0.0)
     ts = [p["t"] for p in c.pools] + [end]
-    for mode, color in (("null", "tab:gray"), ("prefill", "tab:blue"), ("decode", "tab:orange"),
-                        ("moving", "tab:red")):
-        ax.step(ts, [p[mode] for p in c.pools] + [c.pools[-1][mode]], where="post", label=mode, color=color)
+    # widths and dashes apart: two pools of the same size draw on one line, each still seen
+    for mode, color, width, dashes in (("null", "tab:gray", 3.5, "-"), ("prefill", "tab:blue", 2.5, "-"),
+                                       ("decode", "tab:orange", 1.5, "--"), ("moving", "tab:red", 1.0, ":")):
+        ax.step(ts, [p[mode] for p in c.pools] + [c.pools[-1][mode]], where="post", label=mode, color=color,
+                linewidth=width, linestyle=dashes)
     for m in c.moves:
         ax.axvline(m.started, color="tab:red", alpha=0.2)
     ax.set_ylabel("instances")
     ax.set_title("pools over time")
-    ax.legend(loc="upper right")
+    _legend_outside(ax)
+
+
+def _legend_outside(ax: Any) -> None:
+    """Right of the plot, where it hides no point."""
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
