@@ -116,14 +116,21 @@ def test_an_input_longer_than_the_kv_pool_is_rejected_as_the_server_does():
 
 
 def test_a_workload_past_twice_the_profiles_grid_is_warned_of():
-    from tidal.sim.cli import extrapolation_warnings
+    """Prompts by the workload, before the run; decode batches by what the simulated servers ran, after it (not by
+    the running-request limit, which a light run never reaches)."""
+    from tidal.sim.cli import decode_batch_warning, extrapolation_warnings
 
     cost = flat_cost()  # prefill measured up to 100000 tokens, decode up to batch 64
-    assert extrapolation_warnings(cost, [TraceRequest(0.0, 250000, 2)], 64) == [
+    assert extrapolation_warnings(cost, [TraceRequest(0.0, 250000, 2)]) == [
         "prefill was measured up to 100000 tokens; the workload's prompts reach 250000"]
-    assert extrapolation_warnings(cost, [TraceRequest(0.0, 100, 2)], 200) == [
-        "decode steps were measured up to batch 64; a server runs up to 200"]
-    assert extrapolation_warnings(cost, [TraceRequest(0.0, 150000, 2)], 128) == []  # within twice the grid
+    assert extrapolation_warnings(cost, [TraceRequest(0.0, 150000, 2)]) == []  # within twice the grid
+    assert decode_batch_warning(cost, 200) == ("warning: decode steps were measured up to batch 64; the simulated "
+                                               "servers ran batches of up to 200; the cost model extrapolates")
+    assert decode_batch_warning(cost, 128) is None
+    light = Cluster(SimConfig(null=0, prefill=1, decode=1), cost, [TraceRequest(10.0 * i, 100, 5) for i in range(3)])
+    assert light.run().largest_decode_batch == 1  # one request at a time: far below the limit of 64
+    crowd = Cluster(SimConfig(null=0, prefill=1, decode=1), cost, [TraceRequest(0.0, 10, 50) for _ in range(8)])
+    assert 1 < crowd.run().largest_decode_batch <= 8
 
 
 # ---------------------------------------------------------------- determinism and conservation

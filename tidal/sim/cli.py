@@ -308,18 +308,22 @@ def write_json(obj: Any, path: Optional[str]) -> None:
         sys.stdout.write(data.decode() + "\n")
 
 
-def extrapolation_warnings(cost: Any, trace: list, max_running_requests: int) -> list[str]:
-    """Where the workload takes the cost model past twice what its profile measured (it extrapolates
+def extrapolation_warnings(cost: Any, trace: list) -> list[str]:
+    """Where the workload's prompts take the cost model past twice what its profile measured (it extrapolates
     linearly there: the run's numbers rest on that line)."""
-    p, out = cost.profile, []
-    longest, measured = max(t.input_tokens for t in trace), max(x.tokens for x in p.prefill)
+    longest, measured = max(t.input_tokens for t in trace), max(x.tokens for x in cost.profile.prefill)
     if longest > 2 * measured:
-        out.append(f"prefill was measured up to {measured} tokens; the workload's prompts reach {longest}")
-    batch = min(max_running_requests, p.server.max_running_requests or max_running_requests)
-    measured_batch = max(x.batch for x in p.decode)
-    if batch > 2 * measured_batch:
-        out.append(f"decode steps were measured up to batch {measured_batch}; a server runs up to {batch}")
-    return out
+        return [f"prefill was measured up to {measured} tokens; the workload's prompts reach {longest}"]
+    return []
+
+
+def decode_batch_warning(cost: Any, largest_batch: int) -> Optional[str]:
+    """Where the runs' decode steps went past twice the profile's largest measured batch (known after a run)."""
+    measured = max(x.batch for x in cost.profile.decode)
+    if largest_batch > 2 * measured:
+        return (f"warning: decode steps were measured up to batch {measured}; the simulated servers ran batches of "
+                f"up to {largest_batch}; the cost model extrapolates")
+    return None
 
 
 def check_workload(ns: argparse.Namespace, spec: WorkloadSpec, cost: Any) -> None:
@@ -332,8 +336,14 @@ def check_workload(ns: argparse.Namespace, spec: WorkloadSpec, cost: Any) -> Non
     if not trace:
         fail(f"the workload has no request in its first {ns.duration_s:g} s"
              + (f" (--trace {ns.trace})" if ns.trace else ""))
-    for warning in extrapolation_warnings(cost, trace, ns.max_running_requests):
+    for warning in extrapolation_warnings(cost, trace):
         sys.stderr.write(f"warning: --profile {ns.profile}: {warning}; the cost model extrapolates\n")
+
+
+def warn_decode_batch(ns: argparse.Namespace, cost: Any, largest_batch: int) -> None:
+    warning = decode_batch_warning(cost, largest_batch)
+    if warning is not None:
+        sys.stderr.write(warning.replace("warning: ", f"warning: --profile {ns.profile}: ", 1) + "\n")
 
 
 OVERLOADED_ATTAINMENT = 0.5  # below it a run's summary line is followed by a hint
@@ -373,6 +383,7 @@ def run_sim(ns: argparse.Namespace) -> int:
         out = run_goodput(ns, cost, planner_cost)
         write_json(out, ns.output)
         sys.stderr.write("".join(line + "\n" for line in summary_lines(out)))
+        warn_decode_batch(ns, cost, max(r["largest_decode_batch"] for r in out["results"]))
         return 0
     k, p, d = layout(ns)
     config = run_config(ns)
@@ -382,6 +393,7 @@ def run_sim(ns: argparse.Namespace) -> int:
     out = report(c, config, virtual_span(spec), phases, mixes)
     write_json(out, ns.output)
     sys.stderr.write(one_line(out["summary"], len(c.moves)) + "\n")
+    warn_decode_batch(ns, cost, c.largest_decode_batch)
     met = out["summary"]["slo_attainment"]
     if met is not None and met < OVERLOADED_ATTAINMENT:
         sys.stderr.write("tidal sim: most requests missed an SLO: try a lower --rate-scale, or lengths and SLOs the "

@@ -142,6 +142,10 @@ class Cluster:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn, arg))
 
+    @property
+    def largest_decode_batch(self) -> int:
+        return max((i.largest_decode_batch for i in self.instances.values()), default=0)
+
     def run(self) -> "Cluster":
         for r in self.requests:
             self.at(r.arrival, self._arrive, r)

@@ -79,9 +79,12 @@ class Layout:
 def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float) -> dict:
     runs = []
 
+    largest_batch = [0]
+
     def attains(scale: float) -> bool:
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost,
                      stop_after_miss=1 - ns.target_attainment)
+        largest_batch[0] = max(largest_batch[0], c.largest_decode_batch)
         s = summary(c, virtual_span(workload_spec(ns, scale)))
         met = s["slo_attainment"] is not None and s["slo_attainment"] >= ns.target_attainment
         runs.append((scale, s["slo_attainment"], len(c.moves), met))
@@ -93,7 +96,7 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     rate = len(make_workload(spec)) / virtual_span(spec) if scale > 0 else 0.0
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
            "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
-           "seconds": round(time.perf_counter() - t0, 2)}
+           "seconds": round(time.perf_counter() - t0, 2), "largest_decode_batch": largest_batch[0]}
     if scale == 0:  # not even start / 2^12 met them: a layout that cannot serve this workload at all
         out["never_met"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs at no rate tried (down to rate scale "

@@ -119,6 +119,7 @@ class SimInstance:
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
         self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
+        self.largest_decode_batch = 0  # the most requests one of its decode steps ran (against the profile's points)
         self.answers_owed_s = 0.0  # a prefill server finishing handed-over answers: decode time they are owed
         self.handover_move: Any = None  # the move whose answers this server still finishes
         self.prompts_received = self.prompt_tokens_received = 0  # as the live scheduler counts them
@@ -228,6 +229,7 @@ class SimInstance:
         for r in reqs:  # the step writes one KV slot per request
             r.kv_len += 1
         self.kv_used += len(reqs)
+        self.largest_decode_batch = max(self.largest_decode_batch, len(reqs))
         return Step("decode", reqs, None, self.cost.decode_step_seconds(len(reqs), context))
 
     def _retract(self) -> None:
