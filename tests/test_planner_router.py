@@ -258,6 +258,7 @@ def test_a_repeated_hold_is_logged_once_at_info(caplog):
     caplog.set_level(logging.DEBUG, logger="tidal.planner.loop")
     for d in (idle, idle, idle, busy, idle):
         loop._record(d, Traffic())
-    levels = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records if r.getMessage().startswith("planner: ")]
+    levels = [(r.levelname, r.getMessage().split(" (")[0]) for r in caplog.records
+              if r.getMessage().startswith("planner: ")]
     assert levels == [("INFO", "planner: hold"), ("DEBUG", "planner: hold"), ("DEBUG", "planner: hold"),
                       ("INFO", "planner: hold"), ("INFO", "planner: hold")]

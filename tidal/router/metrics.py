@@ -33,10 +33,12 @@ class RouterMetrics:
         self.planner_predicted_tpot = Gauge("tidal_router:planner_predicted_tpot_seconds",
                                             "Planner's predicted TPOT of the current pools, by pool", pool, registry=r)
         self.planner_observed_ttft = Gauge("tidal_router:planner_observed_ttft_seconds",
-                                           "Mean TTFT of the requests the router timed over the planner's window, by pool",
+                                           "Mean TTFT of the requests the router timed over the planner's window, "
+                                           "by pool",
                                            pool, registry=r)
         self.planner_observed_tpot = Gauge("tidal_router:planner_observed_tpot_seconds",
-                                           "Mean TPOT of the requests the router timed over the planner's window, by pool",
+                                           "Mean TPOT of the requests the router timed over the planner's window, "
+                                           "by pool",
                                            pool, registry=r)
 
     def render(self, workers: WorkerRegistry) -> bytes:

@@ -78,8 +78,7 @@ class Layout:
 
 def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float) -> dict:
     runs = []
-
-    largest_batch = [0]
+    largest_batch = [0]  # over every probe: what the extrapolation warning tests
 
     def attains(scale: float) -> bool:
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost,
