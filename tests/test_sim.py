@@ -620,6 +620,9 @@ def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path, caps
     assert f"{best['layout']}: {best['goodput_rps']:g} requests/s" in "\n".join(lines)
     assert f"{d['planner_vs_best_static']:g}x the best static split" in lines[-1]
     assert "moves at its goodput" in lines[-1]
+    final = d["results"][-1]["final_pools"]  # the planner's pools at the end of its run at its goodput
+    assert set(final) == {"null", "prefill", "decode", "moving", "since_s"} and final["moving"] == 0
+    assert final["null"] + final["prefill"] + final["decode"] == 3
 
 
 def test_cli_refuses_a_layout_that_does_not_add_up(capsys):

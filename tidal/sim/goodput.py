@@ -108,7 +108,9 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost)
         out["moves_at_goodput"] = len(c.moves)
         out["moves_failed"] = sum(1 for m in c.moves if m.outcome != "ok")
-        out["final_pools"] = c.pools[-1]
+        final = dict(c.pools[-1])
+        final["since_s"] = final.pop("t")  # the pools at the end, as they were from since_s
+        out["final_pools"] = final
     return out
 
 
