@@ -165,6 +165,9 @@ class CostPredictor:
         self.decode_peak = self._decode_peak(out)
         paths = {}
         recovery, drain = 0.0, math.inf
+        # a null worker prefills before it decodes (Batching.prefill_or_decode): with a backlog it runs full steps
+        # while its KV and running-request limits admit more, its answers waiting (the TPOT the score sees)
+        pace = self._full_step_pace(inp)  # one worker's, the same on every path
         for path, share in shares.items():
             lam = traffic.arrival_rate * share
             ttft, tpot = (self._pd(pools, load, lam, inp, out) if path == PD_PATH
@@ -173,9 +176,7 @@ class CostPredictor:
                                          score=path_score(ttft, tpot, self.ttft_slo_s, self.tpot_slo_s))
             mode, n = (PREFILL, pools[PREFILL]) if path == PD_PATH else whole_workers(pools)
             backlog = load.queued_prefill_tokens[mode]
-            # a null worker prefills before it decodes (Batching.prefill_or_decode): with a backlog it runs full steps
-            # while its KV and running-request limits admit more, its answers waiting (the TPOT the score sees)
-            surplus = n * self._full_step_pace(inp) - lam
+            surplus = n * pace - lam
             if backlog > 0 or surplus <= 0:  # a path without a backlog that falls behind grows one
                 drain = min(drain, surplus)
                 recovery = max(recovery, min(NEVER, backlog / inp / surplus) if surplus > 0 else NEVER)
