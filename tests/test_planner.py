@@ -9,7 +9,7 @@ import msgspec
 
 import pytest
 
-from tidal.planner.decide import PlannerState, decide, pool_counts
+from tidal.planner.decide import PlannerState, decide, floor_warning, pool_counts
 from tidal.planner.predict import NEVER, CostPredictor, PoolLoad
 from tidal.planner.schema import DECODE, NULL, PREFILL, PlannerConfig, Traffic, WorkerLoad
 from tidal.planner.window import (Observation, StreamTally, TrafficWindow, body_token_counts, censored_mean,
@@ -186,6 +186,14 @@ def test_never_below_the_minimum_per_pool():
     assert all("below --planner-min-per-pool 2" in x.reason for x in d.candidates if x.src == DECODE)
     free = decide(NOW, cfg(min_per_pool=1), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
     assert free.kind == "move" and free.src == DECODE, free.reason
+
+
+def test_starting_pools_below_the_minimum_are_named():
+    assert floor_warning({NULL: 3, PREFILL: 0, DECODE: 0}, 1) == ""  # a colocated start under the default floor
+    assert floor_warning({NULL: 0, PREFILL: 2, DECODE: 2}, 2) == ""
+    said = floor_warning({NULL: 1, PREFILL: 1, DECODE: 0}, 2)
+    assert "prefill pool has 1 worker and the decode pool has 0 workers" in said, said
+    assert said.startswith("--planner-min-per-pool 2: ")
 
 
 def test_never_leaves_pd_unusable():

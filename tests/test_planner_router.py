@@ -85,6 +85,15 @@ def test_the_planner_takes_the_workers_counters_as_it_starts(workers, tmp_path):
         assert r.state.planner.last is None  # no round yet
 
 
+def test_a_pool_below_the_floor_as_the_planner_starts_is_warned_of(workers, tmp_path, caplog):
+    def warned() -> bool:
+        return any("--planner-min-per-pool 2: the prefill pool has 1 worker;" in x.getMessage()
+                   for x in caplog.records if x.levelname == "WARNING")
+
+    with router(workers, tmp_path, interval_s=30.0, min_per_pool=2):
+        wait_for(warned, 10, "the warning, as the planner takes its baseline")
+
+
 def test_advise_reports_the_move_it_would_make_and_moves_nothing(workers, tmp_path):
     """--planner advise: the same decisions as sla, each move reported (kind "advise": status, metrics, log)
     and not started, round after round."""

@@ -278,7 +278,19 @@ def sim_error(capsys, argv: list[str]) -> str:
 
 
 def test_phase_layouts_are_checked(capsys):
-    assert "must add up to --instances 4" in sim_error(capsys, ["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
+    assert "adding up to --instances 4" in sim_error(capsys, ["sim", "--instances", "4", "--phase-layouts", "3:0:0"])
+    # a negative count is the flag's value, not an unknown option (argparse's own reading)
+    said = sim_error(capsys, ["sim", "--instances", "4", "--workload", "shift", "--phase-layouts", "-1:3:2"])
+    assert "--phase-layouts: '-1:3:2' must be counts of 0 or more" in said, said
+
+
+def test_a_starting_pool_below_the_planners_floor_is_warned_of(capsys):
+    run = ["sim", "--instances", "4", "--prefill", "1", "--decode", "3", "--planner-min-per-pool", "2",
+           "--duration-s", "5", "--output", "/dev/null"]
+    assert main(run + ["--planner", "sla"]) == 0
+    assert "warning: --planner-min-per-pool 2: the prefill pool has 1 worker;" in capsys.readouterr().err
+    assert main(run) == 0  # without the planner the floor means nothing
+    assert "--planner-min-per-pool" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, says", [

@@ -3,7 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
+
+# argparse takes "-1:3:2" for an option (only plain negative numbers are values): such a value is joined to its flag
+NEGATIVE_LIST = re.compile(r"-\d[\d.]*[:,][-\d.:,]*")
+
+
+def join_negative_lists(argv: list[str]) -> list[str]:
+    """`--phase-layouts -1:3:2` as `--phase-layouts=-1:3:2`, so that the flag's own check says what is wrong."""
+    out: list[str] = []
+    for token in argv:
+        if NEGATIVE_LIST.fullmatch(token) and out and out[-1].startswith("--") and "=" not in out[-1]:
+            out[-1] += "=" + token
+        else:
+            out.append(token)
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(join_negative_lists(sys.argv[1:] if argv is None else argv))
     if args.command == "serve":
         from tidal.launch_server import serve
 

@@ -204,6 +204,17 @@ def target_allowed(layout: dict[str, int], current: dict[str, int], min_per_pool
     return has_path(layout)
 
 
+def floor_warning(pools: dict[str, int], min_per_pool: int) -> str:
+    """Why the starting pools sit below --planner-min-per-pool ("" when none does). Under the default floor of 1
+    an empty pool is a colocated start, not worth a warning."""
+    low = [f"the {m} pool has {pools[m]} worker{'s' * (pools[m] != 1)}" for m in (PREFILL, DECODE)
+           if min_per_pool > 1 and pools[m] < min_per_pool]
+    if not low:
+        return ""
+    return (f"--planner-min-per-pool {min_per_pool}: {' and '.join(low)}; the planner moves no worker out of a "
+            "pool below the floor, and adds one only where that pays")
+
+
 def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> Any:
     if cost is not None:
         return CostPredictor(cost, cfg.ttft_slo_s, cfg.tpot_slo_s, cfg.interval_s)

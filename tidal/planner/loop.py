@@ -17,7 +17,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from tidal.planner.decide import PlannerState, decide, heading_for, pool_counts
+from tidal.planner.decide import PlannerState, decide, floor_warning, heading_for, pool_counts
 from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, WorkerLoad
 from tidal.planner.window import TrafficWindow
 from tidal.router.workers import MODES, Worker, WorkerRegistry
@@ -108,6 +108,9 @@ class PlannerLoop:
         try:
             loads = await self._fresh_loads()
             self.window.baseline(self.clock(), loads)
+            warning = floor_warning(pool_counts(loads), self.cfg.min_per_pool)
+            if warning:
+                logger.warning("planner: %s", warning)
         except Exception:  # the first round takes its own snapshot as the baseline instead
             logger.exception("planner baseline failed")
 

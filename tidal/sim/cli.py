@@ -11,7 +11,7 @@ from typing import Any, NoReturn, Optional
 import msgspec
 
 from tidal.config import ServerArgs
-from tidal.planner.decide import has_path
+from tidal.planner.decide import floor_warning, has_path
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
 from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
@@ -262,8 +262,8 @@ def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
             fail(f"--phase-layouts: {item!r} is not PREFILL:DECODE:NULL")
         lay = {"prefill": p, "decode": d, "null": n}
         if min(p, d, n) < 0 or p + d + n != ns.instances or not has_path(lay):
-            fail(f"--phase-layouts: {item!r} must add up to --instances {ns.instances} and keep a "
-                 "null worker or a prefill and a decode one")
+            fail(f"--phase-layouts: {item!r} must be counts of 0 or more adding up to --instances {ns.instances}, "
+                 "with a null worker or a prefill and a decode one")
         out.append(lay)
     return tuple(out)
 
@@ -346,6 +346,19 @@ def warn_decode_batch(ns: argparse.Namespace, cost: Any, largest_batch: int) -> 
         sys.stderr.write(warning.replace("warning: ", f"warning: --profile {ns.profile}: ", 1) + "\n")
 
 
+def warn_floor(ns: argparse.Namespace) -> None:
+    """Where the planner runs, a starting pool below --planner-min-per-pool."""
+    if ns.action == "goodput":
+        planner_runs = "planner" in layout_names(ns)
+    else:
+        planner_runs = ns.planner == "sla" and not ns.phase_layouts
+    if planner_runs:
+        k, p, d = layout(ns)
+        warning = floor_warning({"null": k, "prefill": p, "decode": d}, ns.planner_min_per_pool)
+        if warning:
+            sys.stderr.write(f"warning: {warning}\n")
+
+
 OVERLOADED_ATTAINMENT = 0.5  # below it a run's summary line is followed by a hint
 
 
@@ -373,6 +386,7 @@ def run_sim(ns: argparse.Namespace) -> int:
     if ns.action != "calibrate":  # calibrate replays --bench-json, not the workload
         layout(ns)  # a bad --null/--prefill/--decode before the warnings below
         check_workload(ns, spec, cost)
+        warn_floor(ns)
     if ns.action == "calibrate":
         from tidal.sim.calibrate import run_calibrate
 
