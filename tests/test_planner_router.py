@@ -271,3 +271,31 @@ def test_a_repeated_hold_is_logged_once_at_info(caplog):
               if r.getMessage().startswith("planner: ")]
     assert levels == [("INFO", "planner: hold"), ("DEBUG", "planner: hold"), ("DEBUG", "planner: hold"),
                       ("INFO", "planner: hold"), ("INFO", "planner: hold")]
+
+
+def test_the_decision_is_taken_off_the_event_loop_and_again_when_a_move_lands_meanwhile(monkeypatch):
+    """`decide` predicts hundreds of layouts (~0.1 s at 64 workers): inline it would stall every stream the router
+    proxies. It runs in a thread on a copy of the state; a move that starts or ends meanwhile makes it stale."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import tidal.planner.loop as planner_loop
+    from tidal.planner.schema import Decision, Traffic
+
+    loop = planner_loop.PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(), clock=lambda: 0.0)
+    calls = []
+
+    def fake_decide(now, cfg, state, loads, traffic, cost):
+        with pytest.raises(RuntimeError):
+            asyncio.get_running_loop()  # not on the event loop's thread
+        assert state is not loop.state
+        calls.append(state.version)
+        if len(calls) == 1:
+            loop.state.finished(now, "http://w", True, cfg)  # a move lands while the first decision runs
+        state.committed = {"prefill": len(calls), "decode": 1, "null": 0}
+        return Decision(at=now, kind="hold", why="gain_too_small", reason="")
+
+    monkeypatch.setattr(planner_loop, "decide", fake_decide)
+    d = asyncio.run(loop._decide(0.0, Traffic()))
+    assert d.kind == "hold" and calls == [0, 1]
+    assert loop.state.committed == {"prefill": 2, "decode": 1, "null": 0}  # the second decision's, not the stale one

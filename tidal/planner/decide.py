@@ -96,6 +96,7 @@ class PlannerState:
         self.workers: dict[str, WorkerMemory] = {}
         # the layout the last move headed for: passing the hysteresis once commits the moves toward it
         self.committed: Optional[dict[str, int]] = None
+        self.version = 0  # counts the moves started and ended: a decision taken on a copy is stale once it moved on
 
     def memory(self, url: str) -> WorkerMemory:
         return self.workers.setdefault(url, WorkerMemory())
@@ -105,10 +106,12 @@ class PlannerState:
         self.flows[src, dst] = Flow(src, dst, now)
 
     def started(self, now: float, url: str, src: str, dst: str) -> None:
+        self.version += 1
         self.in_flight[url] = (src, dst)
         self._touch(now, url, src, dst)
 
     def finished(self, now: float, url: str, ok: bool, cfg: PlannerConfig) -> None:
+        self.version += 1
         src, dst = self.in_flight.pop(url, ("", ""))
         if src:
             self._touch(now, url, src, dst)

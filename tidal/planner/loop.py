@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import logging
 import time
 from typing import Any, Callable, Optional
@@ -18,13 +19,14 @@ from typing import Any, Callable, Optional
 import msgspec
 
 from tidal.planner.decide import PlannerState, decide, floor_warning, heading_for, pool_counts
-from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, WorkerLoad
+from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, Traffic, WorkerLoad
 from tidal.planner.window import TrafficWindow
 from tidal.router.workers import MODES, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
 DECISIONS_KEPT = 50
+DECIDE_TRIES = 3  # decisions in a thread made stale by a move meanwhile, before one inline
 
 
 def worker_load(w: Worker) -> WorkerLoad:
@@ -145,7 +147,7 @@ class PlannerLoop:
         self.last_loads = loads
         traffic = self.window.traffic(now, self.last_loads)
         while True:
-            d = decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
+            d = await self._decide(now, traffic)
             self.last = d
             self.decisions.append(d)
             self._record(d, traffic)
@@ -155,6 +157,18 @@ class PlannerLoop:
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
+
+    async def _decide(self, now: float, traffic: Traffic) -> Decision:
+        """`decide` in a thread, on a copy of the state: it predicts hundreds of layouts (~0.1 s at 16 or 64
+        workers), which inline would stall every stream the router proxies. A move that started or ended
+        meanwhile (a move by hand too) makes the decision stale: it is taken again, after a few tries inline."""
+        for _ in range(DECIDE_TRIES):
+            version, copy_ = self.state.version, copy.deepcopy(self.state)
+            d = await asyncio.to_thread(decide, now, self.cfg, copy_, self.last_loads, traffic, self.cost)
+            if self.state.version == version:
+                self.state.committed = copy_.committed
+                return d
+        return decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
 
     async def _move(self, d: Decision) -> None:
         try:

@@ -115,8 +115,18 @@ class CostModel:
             (b1, b2), per_request = self._batches[-2:], context_tokens / batch
             s1, s2 = self.decode_step_seconds(b1, per_request * b1), self.decode_step_seconds(b2, per_request * b2)
             return max(s2, s2 + (s2 - s1) * (batch - b2) / (b2 - b1))
-        per_row = [piecewise_linear(xs, ys, context_tokens) for xs, ys in self._decode_rows]
-        return max(0.0, piecewise_linear(self._batches, per_row, batch))
+        return max(0.0, self._between_rows(batch, context_tokens))
+
+    def _between_rows(self, batch: float, context_tokens: float) -> float:
+        """`piecewise_linear` across the batch rows, each row at `context_tokens`: only the two rows that
+        bracket `batch` (the end segment's past the ends) are interpolated; the planner calls this a
+        million times a minute at 64 workers."""
+        rows, batches = self._decode_rows, self._batches
+        if len(batches) == 1:
+            return piecewise_linear(*rows[0], context_tokens)
+        i = min(max(bisect.bisect_right(batches, batch) - 1, 0), len(batches) - 2)
+        pair = [piecewise_linear(*rows[j], context_tokens) for j in (i, i + 1)]
+        return piecewise_linear(batches[i:i + 2], pair, batch)
 
     def kv_transfer_seconds(self, tokens: int) -> float:
         """The prefill->decode KV hand-off of one request of `tokens` tokens; 0 when the
