@@ -632,6 +632,12 @@ def test_cli_goodput_compares_colocated_static_splits_and_planner(tmp_path, caps
     assert f"{best['layout']}: {best['goodput_rps']:g} requests/s" in "\n".join(lines)
     assert f"{d['planner_vs_best_static']:g}x the best static split" in lines[-1]
     assert "moves at its goodput" in lines[-1]
+    for r in d["results"]:  # every probe by rate; the goodput is the highest rate probed that met the SLOs
+        probed = r["probed"]
+        assert len(probed) == r["probes"] and probed == sorted(probed, key=lambda p: p["rate_scale"])
+        assert max(p["rate_scale"] for p in probed if p["met"]) == r["rate_scale"]
+        assert all(p["met"] == (p["slo_attainment"] >= 0.9) for p in probed)
+        assert all(not p["met"] for p in probed if p["stopped_early"])
     final = d["results"][-1]["final_pools"]  # the planner's pools at the end of its run at its goodput
     assert set(final) == {"null", "prefill", "decode", "moving", "since_s"} and final["moving"] == 0
     assert final["null"] + final["prefill"] + final["decode"] == 3
