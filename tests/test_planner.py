@@ -963,6 +963,17 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     unseen = msgspec.structs.replace(chat, past_mixes=[[80.0, 80.0], [300.0, 5.0], [700.0, 9.0]])  # 1.5x off and more
     assert queued_mix(PoolLoad(queued_450), unseen)[0].mean_output_tokens == 80
     assert queued_mix(PoolLoad(queued_450), unseen)[0].arrival_rate == 4.0  # no recent rate reported: the window's
+    # prompts that came with the window's kind of answers before tell no other mix, wherever the nearest window is:
+    # on azure-shift at t = 420 s 40 prompts of 279 tokens queued after a code window of 477 / 8, nearest a
+    # conversation window's (316 / 75) and near code windows' (306 / 4) too; the conversation's answers had moved 4
+    # workers to decode ahead of a code burst
+    code_window = msgspec.structs.replace(chat, mean_input_tokens=477, mean_output_tokens=8, input_tokens_deciles=[],
+                                          past_mixes=[[477.0, 7.0], [306.0, 4.0], [316.0, 75.0]])
+    queued_279 = layout(1, 1, 4, null={"queued_prefill_tokens": 10 * 279, "waiting_reqs": 10})
+    kept, note = queued_mix(PoolLoad(queued_279), code_window)
+    assert (kept.mean_input_tokens, kept.mean_output_tokens) == (279, 8) and "past window" not in note, note
+    chat_only = msgspec.structs.replace(code_window, past_mixes=[[350.0, 16.5], [316.0, 75.0]])  # 16.5: over 2x of 8
+    assert queued_mix(PoolLoad(queued_279), chat_only)[0].mean_output_tokens == 75
     # at three times the rate, 80-token answers would need a second decode worker; 6-token ones do not
     busy, busy_seen = (msgspec.structs.replace(t, arrival_rate=12.0, recent_arrival_rate=12.0) for t in (chat, seen))
     backlog = {"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15}

@@ -15,6 +15,9 @@ from tidal.planner.window import scaled
 # differs from the window's by this factor, either way
 QUEUED_SAMPLE = 20
 QUEUED_SHIFT = 1.5
+# answers within this factor are of one kind of request (the kinds of a mix differ by far more: 4-8 against 58-75
+# tokens a window on the Azure code and conversation traces at x0.25)
+SAME_ANSWERS = 2.0
 
 
 def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
@@ -39,7 +42,7 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
         return traffic, ""
     note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
-    answers = seen_answers(prompt, traffic.past_mixes)
+    answers = seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens)
     if answers is None:
         answers = traffic.mean_output_tokens
     else:
@@ -62,16 +65,23 @@ def queued_prompt_tokens(load: PoolLoad) -> int:
     return load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
 
 
-def seen_answers(prompt: float, past_mixes: list[list[float]]) -> Optional[float]:
+def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: float = 0.0) -> Optional[float]:
     """The mean answer of the past window whose mean prompt was nearest `prompt` (by ratio; the newest among
-    equals), if within QUEUED_SHIFT of it; None if none is. A mix's kinds of request differ in both lengths
-    (code completion: long prompts, short answers; chat: the reverse), and queued requests' answers are not
-    known before they end."""
+    equals), if within QUEUED_SHIFT of it; None if none is, or if a past window within QUEUED_SHIFT had answers
+    within SAME_ANSWERS of `window_answer` (the window's own): such prompts came with the window's kind of answers
+    before, so they do not tell another mix. A mix's kinds of request differ in both lengths (code completion:
+    long prompts, short answers; chat: the reverse), and queued requests' answers are not known before they end;
+    where the kinds' prompts overlap (the Azure code and conversation traces, x0.25: 300-500 and 310-330 tokens
+    a window) a heavy-tailed queue of the window's own mix lands near the other kind's prompts."""
     best = None
     for seen_prompt, answer in past_mixes:
         if seen_prompt <= 0:
             continue
         off = abs(math.log(prompt / seen_prompt))
-        if off < math.log(QUEUED_SHIFT) and (best is None or off < best[0]):
+        if off >= math.log(QUEUED_SHIFT):
+            continue
+        if window_answer > 0 and answer > 0 and abs(math.log(answer / window_answer)) <= math.log(SAME_ANSWERS):
+            return None
+        if best is None or off < best[0]:
             best = (off, answer)
     return None if best is None else best[1]
