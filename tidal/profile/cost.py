@@ -39,12 +39,17 @@ def _averaged(points: Iterable[tuple[float, float]]) -> tuple[list[float], list[
     return xs, [statistics.fmean(by_x[x]) for x in xs]
 
 
+def segment(xs: Sequence[float], x: float) -> int:
+    """The index of the segment of sorted `xs` (at least two) that holds x, the end ones past the ends."""
+    return min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+
+
 def piecewise_linear(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
     """The polyline through (xs, ys) at x, its end segments continued past the ends; unclamped.
     One point: that value everywhere."""
     if len(xs) == 1:
         return ys[0]
-    i = min(max(bisect.bisect_right(xs, x) - 1, 0), len(xs) - 2)
+    i = segment(xs, x)
     x0, x1, y0, y1 = xs[i], xs[i + 1], ys[i], ys[i + 1]
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
@@ -124,7 +129,7 @@ class CostModel:
         rows, batches = self._decode_rows, self._batches
         if len(batches) == 1:
             return piecewise_linear(*rows[0], context_tokens)
-        i = min(max(bisect.bisect_right(batches, batch) - 1, 0), len(batches) - 2)
+        i = segment(batches, batch)
         pair = [piecewise_linear(*rows[j], context_tokens) for j in (i, i + 1)]
         return piecewise_linear(batches[i:i + 2], pair, batch)
 

@@ -77,7 +77,7 @@ class Layout:
 
 
 def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float) -> dict:
-    runs = []
+    probed: list[dict] = []  # every probe: where attainment is not monotonic in the rate, they show it
     largest_batch = [0]  # over every probe: what the extrapolation warning tests
 
     def attains(scale: float) -> bool:
@@ -86,7 +86,8 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
         largest_batch[0] = max(largest_batch[0], c.largest_decode_batch)
         s = summary(c, virtual_span(workload_spec(ns, scale)))
         met = s["slo_attainment"] is not None and s["slo_attainment"] >= ns.target_attainment
-        runs.append((scale, s["slo_attainment"], len(c.moves), met, c.stopped_early))
+        probed.append({"rate_scale": round(scale, 6), "slo_attainment": s["slo_attainment"], "met": met,
+                       "stopped_early": c.stopped_early})
         return met
 
     t0 = time.perf_counter()
@@ -94,16 +95,14 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     spec = workload_spec(ns, scale)
     rate = len(make_workload(spec)) / virtual_span(spec) if scale > 0 else 0.0
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
-           "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(runs),
+           "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(probed),
            "seconds": round(time.perf_counter() - t0, 2), "largest_decode_batch": largest_batch[0],
-           # by rate: where attainment is not monotonic in the rate, the probes show it
-           "probed": [{"rate_scale": round(r, 6), "slo_attainment": a, "met": met, "stopped_early": stopped}
-                      for r, a, _, met, stopped in sorted(runs)]}
+           "probed": sorted(probed, key=lambda p: p["rate_scale"])}
     if scale == 0:  # not even start / 2^12 met them: a layout that cannot serve this workload at all
         out["never_met"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs at no rate tried (down to rate scale "
-                         f"{min(r[0] for r in runs):g}); its goodput is 0\n")
-    if all(r[3] for r in runs):  # every probe met the SLOs: the workload is too small to load it
+                         f"{min(p['rate_scale'] for p in probed):g}); its goodput is 0\n")
+    if all(p["met"] for p in probed):  # every probe met the SLOs: the workload is too small to load it
         out["at_search_limit"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs up to the search's limit (rate scale "
                          f"{scale:g}); its goodput is a lower bound: give a longer --duration-s\n")
