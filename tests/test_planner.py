@@ -1004,6 +1004,26 @@ def test_the_queued_prompts_are_the_waiting_requests_own_where_every_worker_repo
     assert queued_mix(PoolLoad(one_unknown), chat)[0].mean_input_tokens == 290
 
 
+def test_a_few_heavy_tailed_prompts_queued_are_a_sample_of_the_window_not_a_new_mix():
+    """At a code burst's end (azure-shift, 16 instances, TTFT SLO 16 s, rate scale 3.3, t = 455 s) 23 prompts of 278
+    tokens waited after a window of 457-token prompts whose deciles spread ~400 tokens: 2.1 standard errors off,
+    as such a sample of the window's own prompts often is. Taken for a new mix with a conversation window's
+    answers, they moved 2 workers to decode ahead of the next burst. A shift between the synthetic mixes (50
+    prompts of 427 tokens after a window of 82-token ones, deciles spread ~50) is 50 standard errors off."""
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.queued import queued_mix
+
+    code_deciles = [45, 90, 130, 180, 240, 320, 430, 600, 850, 1300]  # spread ~400, as the code trace's at x0.25
+    code = Traffic(arrival_rate=23.0, mean_input_tokens=457, mean_output_tokens=6, input_tokens_deciles=code_deciles,
+                   past_mixes=[[316.0, 75.0], [457.0, 6.0]])
+    burst_tail = layout(1, 1, 0, prefill={"waiting_prompt_tokens": 278 * 23, "waiting_reqs": 23})
+    assert queued_mix(PoolLoad(burst_tail), code) == (code, "")
+    chat = Traffic(arrival_rate=4.0, mean_input_tokens=82, mean_output_tokens=74,
+                   input_tokens_deciles=[30, 40, 50, 60, 70, 80, 95, 110, 140, 200])
+    code_queued = layout(2, 6, 0, prefill={"waiting_prompt_tokens": 25 * 427, "waiting_reqs": 25})
+    assert queued_mix(PoolLoad(code_queued), chat)[0].mean_input_tokens == 427
+
+
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():
     """A decode server counts PD requests still waiting for their prefill's KV as running (they hold
     memory) but decodes only its batch: the prediction's batch floor is the batch it reports."""
@@ -1055,6 +1075,27 @@ def test_a_new_mix_starts_a_new_burst_history():
     for now in range(40, 300, 5):
         same.traffic(float(now))
     assert same.mix_shifts == 0 and same.traffic(299.0).prefill_peak_ratio > 2
+
+
+def test_a_mix_that_comes_back_brings_back_its_bursts():
+    """A shift back to a mix seen before restores that mix's peak arrival rate until the new history is a burst
+    window old: the code trace's bursts are minutes apart, and its phase may come back in a lull. A mix never
+    seen bursty gets its own history's peak only."""
+    w = TrafficWindow(30.0, 0.0, burst_window_s=300.0, peak_span_s=8.0)
+    seen = {}
+    for start, end, prompt, answer, bursty in ((0.0, 200.0, 1000, 5, True), (200.0, 400.0, 250, 60, False),
+                                               (400.0, 760.0, 1000, 5, False)):
+        for t in range(int(start), int(end)):  # as feed_phase, a traffic reading every 5 s
+            w.arrival(start + (t - start) // 20 * 20 if bursty else float(t))
+            w.completion(float(t), Observation(path="pd", prompt_tokens=prompt, completion_tokens=answer))
+            if (t + 1) % 5 == 0:
+                seen[t + 1] = w.traffic(t + 1.0)
+    peak = {t: tr.arrival_rate * tr.prefill_peak_ratio for t, tr in seen.items()}
+    assert peak[200] == pytest.approx(2.5, rel=0.05)  # 20 at once every 20 s
+    assert w.mix_shifts == 2
+    assert peak[300] == pytest.approx(1.0, rel=0.1)  # the chat mix, steady: its own history
+    assert peak[460] == pytest.approx(2.5, rel=0.05) and peak[700] == pytest.approx(2.5, rel=0.05)
+    assert peak[760] == pytest.approx(1.0, rel=0.1)  # 300 s after the shift back: the new history's own
 
 
 def test_a_slow_turn_to_long_answers_shows_in_the_prompts_the_workers_received():

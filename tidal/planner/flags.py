@@ -50,7 +50,8 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
     g.add_argument("--planner-burst-window-s", type=float, default=d.burst_window_s,
                    help=f"how far back the arrivals' bursts are remembered (the prefill queues are predicted at "
                         f"the rate 90%% of prompts meet within a TTFT SLO), seconds; a shift of the mix of "
-                        f"prompt and answer lengths starts the history again (default: {d.burst_window_s:g})")
+                        f"prompt and answer lengths starts the history again, with the peak of that mix's last history "
+                        f"when the mix comes back (default: {d.burst_window_s:g})")
     g.add_argument("--planner-hysteresis", type=float, default=d.hysteresis,
                    help=f"the best layout must raise the predicted capacity (the arrival-rate multiple at which "
                         f"both SLOs hold) by this fraction before the planner heads for it; "

@@ -125,8 +125,9 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     # lower the score by this much and by 10% of it)
     hysteresis: float = 0.3
     window_s: float = 30.0
-    # the burst history (Traffic.prefill_peak_ratio) spans this long, back to the last shift of the mix at most:
-    # a bursty trace's bursts are minutes apart, so most windows of window_s see none
+    # the burst history (Traffic.prefill_peak_ratio) spans this long, back to the last shift of the mix at most
+    # (a mix that comes back brings its last history's peak until then): a bursty trace's bursts are minutes
+    # apart, so most windows of window_s see none
     burst_window_s: float = 300.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0

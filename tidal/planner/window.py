@@ -194,6 +194,9 @@ class TrafficWindow:
         # the open requests' tickets; a ticket its caller drops (a failed or cancelled request) leaves by itself
         self.open: weakref.WeakSet[InFlight] = weakref.WeakSet()
         self.mix_shifts = 0
+        self.shifted_at: Optional[float] = None  # the last shift of the mix
+        # (mean prompt, mean answer, peak arrival rate) of the burst histories that shifts of the mix ended
+        self.past_bursts: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=MIX_MEMORY)
         # (at, mean prompt, mean answer) of past windows' finished requests, one per window length
         self.past_mixes: collections.deque[tuple[float, float, float]] = collections.deque(maxlen=MIX_MEMORY)
         self.received = ReceivedPrompts(window_s)
@@ -252,7 +255,8 @@ class TrafficWindow:
         forget_before = now - self.burst_window_s
         if self._mix_shifted(edge):  # the window straddles the shift: keep none of it
             self.mix_shifts += 1
-            forget_before = now
+            self._remember_bursts(edge)
+            self.shifted_at = forget_before = now
         while self.arrival_history and self.arrival_history[0] <= forget_before:
             self.arrival_history.popleft()
         while self.length_history and self.length_history[0][0] <= forget_before:
@@ -275,6 +279,23 @@ class TrafficWindow:
             return False
         return any(_far_apart(_mean([x[k] for x in before if x[k] > 0]), _mean([x[k] for x in window if x[k] > 0]))
                    for k in (0, 1))
+
+    def _remember_bursts(self, edge: float) -> None:
+        """Keeps the ending history's mix and peak arrival rate, for when that mix comes back."""
+        before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+        rate = peak_rate(self.arrival_history, self.peak_span_s)
+        if rate is not None and before:
+            self.past_bursts.append((_mean([p for p, _ in before if p > 0]), _mean([c for _, c in before]), rate))
+
+    def _recalled_peak(self, now: float, prompt: float, answer: float) -> float:
+        """The peak arrival rate of the last past history of this mix (within MIX_SHIFT_RATIO in both lengths)
+        while the history since the shift is younger than the burst window; 0 if none."""
+        if self.shifted_at is None or now - self.shifted_at >= self.burst_window_s:
+            return 0.0
+        for seen_prompt, seen_answer, rate in reversed(self.past_bursts):
+            if not _far_apart(seen_prompt, prompt) and not _far_apart(seen_answer, answer):
+                return rate
+        return 0.0
 
     def _prompts_shifted(self, history_prompt: float) -> bool:
         """Whether the prompts the workers received over the window (MIN_MIX_SAMPLES or more) are MIX_SHIFT_RATIO
@@ -307,12 +328,17 @@ class TrafficWindow:
         rate = self._rate(now, self.window_s)
         prompts = [p for p, _ in lengths if p > 0]  # 0: not reported (an OpenAI stream without usage)
         mean_prompt, prompt_deciles = self._prompts(now, prompts)
+        mean_answer = self._mean_answer(now, _mean([c for _, c in lengths]))
+        peak = peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate)
+        recalled = self._recalled_peak(now, mean_prompt, mean_answer)
+        if recalled and rate > 0:
+            peak = max(peak, recalled / rate)
         return Traffic(arrival_rate=rate,
                        mean_input_tokens=mean_prompt,
                        input_tokens_deciles=prompt_deciles,
-                       mean_output_tokens=self._mean_answer(now, _mean([c for _, c in lengths])),
+                       mean_output_tokens=mean_answer,
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
-                       prefill_peak_ratio=peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate),
+                       prefill_peak_ratio=peak,
                        completed=len(done),
                        recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
                        past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
@@ -400,18 +426,26 @@ def scaled(lengths: list[int], ratio: float) -> list[int]:
     return [max(1, round(x * ratio)) for x in lengths]
 
 
-def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE,
-               over_rate: Optional[float] = None) -> float:
+def peak_rate(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE) -> Optional[float]:
     """The `quantile` (over arrivals) of the arrival rate within the `span_s`-long span centred on each
-    arrival, divided by `over_rate` (default: the mean rate over all of `times`, sorted), at least 1; 1
-    without a span, with fewer than MIN_GAPS gaps, or when the times cover less than two spans."""
+    arrival (`times` sorted); None without a span, with fewer than MIN_GAPS gaps, or when the times cover
+    less than two spans."""
     n = len(times)
     if not span_s or n <= MIN_GAPS or times[-1] - times[0] < 2 * span_s:
-        return 1.0
+        return None
     ts = list(times)
     counts = sorted(bisect.bisect_left(ts, t + span_s / 2) - bisect.bisect_left(ts, t - span_s / 2) for t in ts)
-    peak = counts[min(n - 1, int(quantile * n))] / span_s
-    return max(1.0, peak / (over_rate or (n - 1) / (ts[-1] - ts[0])))
+    return counts[min(n - 1, int(quantile * n))] / span_s
+
+
+def peak_ratio(times: Sequence[float], span_s: Optional[float], quantile: float = PEAK_QUANTILE,
+               over_rate: Optional[float] = None) -> float:
+    """`peak_rate` divided by `over_rate` (default: the mean rate over all of `times`), at least 1; 1 where
+    `peak_rate` is None."""
+    peak = peak_rate(times, span_s, quantile)
+    if peak is None:
+        return 1.0
+    return max(1.0, peak / (over_rate or (len(times) - 1) / (times[-1] - times[0])))
 
 
 def _far_apart(a: float, b: float) -> bool:
