@@ -678,6 +678,29 @@ def test_while_slos_are_met_it_moves_toward_more_capacity():
     assert held.kind == "hold" and "gains too little" in held.reason, held.reason
 
 
+def test_a_window_younger_than_its_span_asks_a_larger_capacity_gain():
+    """Over the router's first seconds the rate and mix are measured over less than the window: a capacity gain
+    must pass the hysteresis times sqrt(window / seconds measured). The same gain moves once the window is
+    whole, or where the window's span is not reported."""
+    from tidal.planner.decide import young_hysteresis
+
+    traffic = Traffic(arrival_rate=0.4, mean_input_tokens=1000, mean_output_tokens=20)
+    loads = layout(1, 3, 0)
+    whole = decide(NOW, cfg(), PlannerState(), loads, traffic, COST)
+    assert whole.kind == "move", whole.reason
+    gain = whole.target.capacity / whole.current.capacity - 1
+    hysteresis = gain * 0.9  # passed by the gain over a whole window
+    for span, kind in ((None, "move"), (30.0, "move"), (60.0, "move"), (5.0, "hold"), (20.0, "hold")):
+        t = msgspec.structs.replace(traffic, span_s=span)
+        assert young_hysteresis(hysteresis, t, 30.0) == (hysteresis if span is None or span >= 30 else
+                                                       pytest.approx(hysteresis * math.sqrt(30.0 / span)))
+        d = decide(NOW, cfg(hysteresis=hysteresis, window_s=30.0), PlannerState(), loads, t, COST)
+        assert d.kind == kind, (span, d.reason)
+    young = decide(NOW, cfg(hysteresis=hysteresis, window_s=30.0), PlannerState(), loads,
+                   msgspec.structs.replace(traffic, span_s=5.0), COST)
+    assert "over the window's first 5 s" in young.reason, young.reason
+
+
 def test_a_heavy_tailed_prompt_mix_costs_more_than_its_mean_prompt():
     """Same mean prompt (1000 tokens); on a convex prefill curve the spread mix takes longer per request
     and waits longer (M/G/1), so its predicted TTFT is higher and the rate it can take lower."""
@@ -920,6 +943,25 @@ def test_a_decode_pool_short_of_the_mean_rate_never_catches_up():
     assert alone.current.paths["null"].ttft_s > SATURATED_HORIZON_S * 0.09 and alone.current.capacity < 1.0
 
 
+def test_a_prefill_pool_short_of_the_mean_rate_never_catches_up_whatever_the_ttft_slo():
+    """A prefill pool whose full steps pass fewer prompts than the mean rate brings grows its queue while that rate
+    lasts (SATURATED_HORIZON_S), as a decode pool does: 20% short, it misses a TTFT SLO of 30 s. Charged one
+    interval (5 s x 1.2) it met it, and a loose TTFT SLO ranked prefill pools past their pace: on the conversation
+    trace at 16 instances and 16 s, 5:11 at 3.13x the rate (49 requests/s) where its 5 prefill workers pass ~21.
+    A burst above the pace for one interval still waits one interval."""
+    from tidal.planner.predict import SATURATED_HORIZON_S, CostPredictor
+
+    pace = 1.0  # the toy profile: 1000-token prompts, 1 s each, one at a time
+    loose = cfg(ttft_slo_s=30.0)
+    short = Traffic(arrival_rate=1.2 * pace, mean_input_tokens=1000, mean_output_tokens=20)
+    d = decide(NOW, loose, PlannerState(), layout(1, 3, 0), short, COST)
+    assert d.current.paths["pd"].ttft_s > SATURATED_HORIZON_S * 0.19 > loose.ttft_slo_s
+    assert d.current.capacity < 1.0
+    pred = CostPredictor(COST, 30.0, 0.1, 5.0)
+    burst, _ = pred._prefill_queue(1.2 * pace, 0.0, 1000, (), 0.8 * pace)
+    assert burst == pytest.approx(5.0 * 1.2 + 1.0, rel=0.01)  # one interval's queue, then its own second
+
+
 def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_finish():
     """After a chat phase the window's finished requests say 80-token prompts; 30 prompts of 450 tokens queue on the
     prefill workers (the new mix, waiting behind the backlog it causes): the planner heads for the prefill pool
@@ -1002,26 +1044,6 @@ def test_the_queued_prompts_are_the_waiting_requests_own_where_every_worker_repo
     assert queued_mix(PoolLoad(longer), chat)[0].mean_input_tokens == 450
     one_unknown = longer[:1] + layout(1, 6, 0, prefill=chunked)
     assert queued_mix(PoolLoad(one_unknown), chat)[0].mean_input_tokens == 290
-
-
-def test_a_few_heavy_tailed_prompts_queued_are_a_sample_of_the_window_not_a_new_mix():
-    """At a code burst's end (azure-shift, 16 instances, TTFT SLO 16 s, rate scale 3.3, t = 455 s) 23 prompts of 278
-    tokens waited after a window of 457-token prompts whose deciles spread ~400 tokens: 2.1 standard errors off,
-    as such a sample of the window's own prompts often is. Taken for a new mix with a conversation window's
-    answers, they moved 2 workers to decode ahead of the next burst. A shift between the synthetic mixes (50
-    prompts of 427 tokens after a window of 82-token ones, deciles spread ~50) is 50 standard errors off."""
-    from tidal.planner.predict import PoolLoad
-    from tidal.planner.queued import queued_mix
-
-    code_deciles = [45, 90, 130, 180, 240, 320, 430, 600, 850, 1300]  # spread ~400, as the code trace's at x0.25
-    code = Traffic(arrival_rate=23.0, mean_input_tokens=457, mean_output_tokens=6, input_tokens_deciles=code_deciles,
-                   past_mixes=[[316.0, 75.0], [457.0, 6.0]])
-    burst_tail = layout(1, 1, 0, prefill={"waiting_prompt_tokens": 278 * 23, "waiting_reqs": 23})
-    assert queued_mix(PoolLoad(burst_tail), code) == (code, "")
-    chat = Traffic(arrival_rate=4.0, mean_input_tokens=82, mean_output_tokens=74,
-                   input_tokens_deciles=[30, 40, 50, 60, 70, 80, 95, 110, 140, 200])
-    code_queued = layout(2, 6, 0, prefill={"waiting_prompt_tokens": 25 * 427, "waiting_reqs": 25})
-    assert queued_mix(PoolLoad(code_queued), chat)[0].mean_input_tokens == 427
 
 
 def test_a_decode_servers_requests_waiting_for_kv_are_not_its_batch():

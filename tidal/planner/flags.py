@@ -54,7 +54,8 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
                         f"when the mix comes back (default: {d.burst_window_s:g})")
     g.add_argument("--planner-hysteresis", type=float, default=d.hysteresis,
                    help=f"the best layout must raise the predicted capacity (the arrival-rate multiple at which "
-                        f"both SLOs hold) by this fraction before the planner heads for it; "
+                        f"both SLOs hold) by this fraction before the planner heads for it (times "
+                        f"sqrt(window / seconds seen) over the router's first window); "
                         f"{MEETS_TODAY_GAIN * 100:g}%% when it meets today's rate and the current layout does not "
                         f"(default: {d.hysteresis:g})")
     g.add_argument("--planner-decode-move", choices=DECODE_MOVES, default=d.decode_move,

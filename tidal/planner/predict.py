@@ -19,7 +19,9 @@ tokens over the window, T = the planner interval):
   prompts costs T(k) = k p - (k-1) s (s: what a step pays once, from the profile's batch
   points), so k = lambda_w T(k), up to the step's token budget over I; a prompt then waits
   for the step in progress (T(k)/2) and runs in the next, and a queue grows only once full
-  steps fall behind (M/D/1 of full steps). The wait is the smaller of the two. TTFT =
+  steps fall behind (M/D/1 of full steps). The wait is the smaller of the two; when even
+  the mean rate outruns full steps, its excess E over their pace adds H * E (H below: the
+  queue grows while that rate lasts, whatever the TTFT SLO). TTFT =
   backlog + wait + T(k) + kv_transfer_seconds(I), where backlog = the pool's queued
   prefill tokens (from /get_load) / P, passed in full steps.
 - decode worker (PD path): TPOT = decode_step_seconds(B, B*(I + O/2)) at the batch B that
@@ -190,14 +192,16 @@ class CostPredictor:
         return batch / step if step > 0 else 0.0
 
     def _prefill_queue(self, lam_w: float, backlog_tokens: float, inp: float,
-                       deciles: Sequence[int] = ()) -> tuple[float, float]:
+                       deciles: Sequence[int] = (), mean_lam_w: float = 0.0) -> tuple[float, float]:
         """(TTFT without transfer or decode, fraction of the time prefilling) of one worker's prefill queue.
 
         One prompt at a time, as M/G/1 (with the prompt lengths' deciles: the mean and the second moment of
         the prefill time over them). Once prompts arrive faster than one step takes, the worker runs those
         that arrived during a step in its next one (`_prefill_batch`): a prompt then waits for the step in
         progress and runs in the next, and the queue grows only once a step is at the token budget and
-        still too slow. The wait is the smaller of the two, so it rises with the rate."""
+        still too slow. The wait is the smaller of the two, so it rises with the rate. A queue that grows
+        at the mean rate (`mean_lam_w`, the burst rate's `lam_w`) grows for as long as that rate lasts:
+        its excess over the full steps' pace waits SATURATED_HORIZON_S, as a decode pool's does."""
         p, residual = self._prefill_moments(inp, deciles)
         batch, step = self._prefill_batch(lam_w, inp, p)
         full_batch, full_step = self._prefill_batch(math.inf, inp, p)
@@ -206,6 +210,7 @@ class CostPredictor:
         else:
             batched_wait = step / 2 + queue_wait(lam_w * full_step / full_batch, full_step, self.interval_s)
         wait = min(queue_wait(lam_w * p, 2 * residual, self.interval_s), batched_wait)
+        wait += SATURATED_HORIZON_S * max(0.0, mean_lam_w * full_step / full_batch - 1.0)
         backlog_s = backlog_tokens * full_step / full_batch / inp if inp > 0 else 0.0
         return backlog_s + wait + step, lam_w * step / batch
 
@@ -291,7 +296,7 @@ class CostPredictor:
     def _pd(self, pools: dict[str, int], load: PoolLoad, lam: float, inp: float, out: float) -> tuple[float, float]:
         n_p, n_d = pools[PREFILL], pools[DECODE]
         prefill_ttft, _ = self._prefill_queue(lam * self.peak / n_p, load.queued_prefill_tokens[PREFILL] / n_p,
-                                              inp, self.deciles)
+                                              inp, self.deciles, lam / n_p)
         # at the mean rate: a burst of short answers only grows a decode worker's batch, whose steps stay short
         # (peak-rate decodes ranked 14:2 above the code trace's best split, 15:1, in the simulator)
         lam_d = lam
@@ -305,7 +310,7 @@ class CostPredictor:
         mode, n = whole_workers(pools)
         lam_w = lam / n
         prefill_ttft, rho_peak = self._prefill_queue(lam_w * self.peak, load.queued_prefill_tokens[mode] / n, inp,
-                                                     self.deciles)
+                                                     self.deciles, lam_w)
         rho_decode = rho_peak / self.peak * self.decode_peak
         tpot, extra = self._decode(lam_w * self.decode_peak, load.running[mode] / n, inp, out, load, rho_decode,
                                    lam_w)

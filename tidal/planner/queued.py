@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import statistics
 from typing import Optional
 
 import msgspec
@@ -16,11 +15,6 @@ from tidal.planner.window import scaled
 # differs from the window's by this factor, either way
 QUEUED_SAMPLE = 20
 QUEUED_SHIFT = 1.5
-# and when their mean is this many standard errors from the window's (the deviation that of the window's prompt
-# deciles): 23 of the Azure code trace's heavy-tailed prompts (x0.25) queued at a burst's end averaged 278 tokens
-# where the window's averaged 457 (deviation ~400), 2.1 standard errors; a shift between the synthetic mixes
-# shows at 4 or more
-QUEUED_SIGNIFICANCE = 3.0
 # answers within this factor are of one kind of request (the kinds of a mix differ by far more: 4-8 against 58-75
 # tokens a window on the Azure code and conversation traces at x0.25)
 SAME_ANSWERS = 2.0
@@ -44,7 +38,7 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
         return traffic, ""
     prompt = queued / waiting
     ratio = prompt / traffic.mean_input_tokens
-    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT or not apart(prompt, waiting, traffic):
+    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
         return traffic, ""
     note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
@@ -60,16 +54,6 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     return msgspec.structs.replace(
         traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
         input_tokens_deciles=scaled(traffic.input_tokens_deciles, ratio)), note
-
-
-def apart(prompt: float, waiting: int, traffic: Traffic) -> bool:
-    """Whether `waiting` prompts of mean `prompt` lie QUEUED_SIGNIFICANCE standard errors or more from the window's
-    mean prompt, as a sample of the window's prompts would not (true without deciles to measure by)."""
-    deciles = traffic.input_tokens_deciles
-    if len(deciles) < 2:
-        return True
-    error = statistics.pstdev(deciles) / math.sqrt(waiting)
-    return abs(prompt - traffic.mean_input_tokens) >= QUEUED_SIGNIFICANCE * error
 
 
 def queued_prompt_tokens(load: PoolLoad) -> int:

@@ -49,6 +49,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     # burst queue for prefill together; an answer's decode averages over its many steps
     prefill_peak_ratio: float = 1.0
     completed: int = 0
+    # the seconds of arrivals the window holds (less than the window over the router's first seconds); None: unknown,
+    # taken as the whole window
+    span_s: Optional[float] = None
     # arrivals a second over the last ANSWER_COHORT_S (10) seconds: the newest mix's rate, where the window straddles
     # a shift (queued.queued_mix)
     recent_arrival_rate: float = 0.0

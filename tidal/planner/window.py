@@ -340,6 +340,7 @@ class TrafficWindow:
                        # over the window's rate: a calm window of a bursty history keeps the history's burst rate
                        prefill_peak_ratio=peak,
                        completed=len(done),
+                       span_s=min(self.window_s, now - self.started_at),
                        recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
                        past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
