@@ -465,7 +465,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
            + queued_note)
     if not pays:
-        young = f", {hysteresis:.2f} over the window's first {traffic.span_s:.0f} s" if hysteresis > cfg.hysteresis else ""
+        young = (f", {hysteresis:.2f} over the window's first {traffic.span_s:.0f} s"
+                 if hysteresis > cfg.hysteresis else "")
         return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g}"
                      f"{young})", current, cands, target=target)
     legal = [c for c in cands if c.legal and c.prediction is not None]
