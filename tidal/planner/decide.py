@@ -382,6 +382,20 @@ def gain_enough(current: Prediction, target: Prediction, hysteresis: float,
     return current.score - target.score >= needed, f"score {current.score:.3f} -> {target.score:.3f}"
 
 
+def heading_pays(cfg: PlannerConfig, state: PlannerState, current: Prediction, target: Prediction,
+                 traffic: Traffic) -> tuple[bool, str, str]:
+    """(whether heading for `target` pays, why, the hysteresis applied as a hold names it): `gain_enough` with
+    the router's first seconds' larger capacity hysteresis, or a committed target."""
+    young = young_hysteresis(cfg.hysteresis, traffic, cfg.window_s)
+    pays, what = gain_enough(current, target, cfg.hysteresis, young)
+    if state.committed == target.pools and not pays:
+        pays, what = True, f"{what} (committed)"
+    named = f"{cfg.hysteresis:g}"
+    if young > cfg.hysteresis:
+        named += f", {young:.2f} over the window's first {traffic.span_s:.0f} s"
+    return pays, what, named
+
+
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
                predictor: Any, load: PoolLoad, traffic: Traffic, overloaded: bool = False) -> list[Candidate]:
     """Every single move, each predicted in the layout the cluster heads for; the fastest workers to
@@ -458,17 +472,12 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     overloaded = current.capacity == 0 and target.capacity > 0
     if overloaded:
         cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True)
-    hysteresis = young_hysteresis(cfg.hysteresis, traffic, cfg.window_s)
-    pays, what = gain_enough(current, target, cfg.hysteresis, hysteresis)
-    if state.committed == target.pools and not pays:
-        pays, what = True, f"{what} (committed)"
+    pays, what, hysteresis = heading_pays(cfg, state, current, target, traffic)
     why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
            + queued_note)
     if not pays:
-        young = (f", {hysteresis:.2f} over the window's first {traffic.span_s:.0f} s"
-                 if hysteresis > cfg.hysteresis else "")
-        return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {cfg.hysteresis:g}"
-                     f"{young})", current, cands, target=target)
+        return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {hysteresis})",
+                     current, cands, target=target)
     legal = [c for c in cands if c.legal and c.prediction is not None]
     best = toward(target, heading, legal)
     if len(state.in_flight) >= cfg.max_concurrent_moves:

@@ -266,7 +266,7 @@ class TrafficWindow:
         """Whether the window's mean prompt or answer differs from the burst history's before the window
         by MIX_SHIFT_RATIO or more: bursts of the old mix say little about the new one. The prompts are also
         compared as the workers received them (`_prompts_shifted`)."""
-        before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+        before = self._lengths_before(edge)
         if len(before) < MIN_MIX_SAMPLES:
             return False
         if self._prompts_shifted(_mean([p for p, _ in before if p > 0])):
@@ -280,9 +280,13 @@ class TrafficWindow:
         return any(_far_apart(_mean([x[k] for x in before if x[k] > 0]), _mean([x[k] for x in window if x[k] > 0]))
                    for k in (0, 1))
 
+    def _lengths_before(self, edge: float) -> list[tuple[int, int]]:
+        """(prompt, answer) of the burst history's requests that finished by `edge`."""
+        return [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+
     def _remember_bursts(self, edge: float) -> None:
         """Keeps the ending history's mix and peak arrival rate, for when that mix comes back."""
-        before = [(p, c) for t, p, c, _ in self.length_history if t <= edge]
+        before = self._lengths_before(edge)
         rate = peak_rate(self.arrival_history, self.peak_span_s)
         if rate is not None and before:
             self.past_bursts.append((_mean([p for p, _ in before if p > 0]), _mean([c for _, c in before]), rate))
