@@ -962,6 +962,27 @@ def test_a_prefill_pool_short_of_the_mean_rate_never_catches_up_whatever_the_ttf
     assert burst == pytest.approx(5.0 * 1.2 + 1.0, rel=0.01)  # one interval's queue, then its own second
 
 
+def test_a_walk_reads_the_prompts_queued_on_the_workers_it_moves_as_the_mix():
+    """A code window (450-token prompts, 5-token answers); 24 chat prompts of 80 tokens queue on 6 prefill workers, 4
+    each, with a past window's answers of such prompts at 300 tokens: the planner walks to 2:6, moving the prefill
+    workers that hold them. A worker that moves serves no pool, but its queued prompts arrived all the same: the walk
+    keeps reading 24 of them to the end. (Dropping each moved worker's 4 left 16 after two moves, under
+    QUEUED_SAMPLE, and the next decision, back on the window's code mix, turned to 7:1.)"""
+    code = Traffic(arrival_rate=10.0, mean_input_tokens=450, mean_output_tokens=5, past_mixes=[[80.0, 300.0]])
+    loads = layout(6, 2, 0, prefill={"queued_prefill_tokens": 4 * 80, "waiting_reqs": 4})
+    state, c = PlannerState(), cfg(max_concurrent_moves=8)
+    moves = []
+    for _ in range(8):
+        d = decide(NOW, c, state, loads, code, COST)
+        assert "prompts of 80 tokens as queued (24 waiting" in d.reason, d.reason
+        assert d.target.pools == {NULL: 0, PREFILL: 2, DECODE: 6}, d.reason
+        if d.kind != "move":
+            break
+        moves.append((d.src, d.dst))
+        state.started(NOW, d.url, d.src, d.dst)
+    assert moves == [(PREFILL, DECODE)] * 4
+
+
 def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_finish():
     """After a chat phase the window's finished requests say 80-token prompts; 30 prompts of 450 tokens queue on the
     prefill workers (the new mix, waiting behind the backlog it causes): the planner heads for the prefill pool

@@ -438,14 +438,16 @@ def _hold(now: float, why: str, reason: str, current: Optional[Prediction] = Non
 
 def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad], traffic: Traffic,
            cost: Any = None) -> Decision:
-    """The decision for this interval. `loads`: the workers in a pool now (healthy, not switching)."""
+    """The decision for this interval. `loads`: the workers in a pool as the interval began (healthy, not
+    switching); those whose move started since serve no pool, but their queued prompts still tell the mix."""
     if cfg.mode == "static":
         return _hold(now, "static", "planner is static")
+    # the prompts waiting on a worker that moves are still arrivals of the mix: a move does not change what arrived
+    traffic, queued_note = queued_mix(PoolLoad(loads), traffic)
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     load = PoolLoad(loads)
-    traffic, queued_note = queued_mix(load, traffic)
     predictor = make_predictor(cfg, cost, pools)
     current = predictor.predict(heading, load, traffic)
     if current is None:

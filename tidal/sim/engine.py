@@ -383,10 +383,10 @@ class Cluster:
     def _plan(self, _: Any) -> None:
         self._plan_pending = False
         self._refresh_loads()  # the live loop refreshes every /get_load before deciding
-        traffic = self.window.traffic(self.now, pool_loads(self.registry))
-        while True:  # as the live loop: decide until it holds
-            d = decide(self.now, self.cfg.planner, self.state, pool_loads(self.registry), traffic,
-                       self.planner_cost)
+        loads = pool_loads(self.registry)
+        traffic = self.window.traffic(self.now, loads)
+        while True:  # as the live loop: decide until it holds, on the loads of the interval's start
+            d = decide(self.now, self.cfg.planner, self.state, loads, traffic, self.planner_cost)
             key = d.kind if d.kind in ("move", "advise") else f"hold: {d.why}"
             self.decisions[key] = self.decisions.get(key, 0) + 1
             if d.kind != "move":
