@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 
 import pytest
 
@@ -14,7 +15,7 @@ from tidal.profile.cost import CostModel
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.goodput import search_rate
 from tidal.sim.instance import Limits
-from tidal.sim.workload import (CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, make_workload, phase_period,
+from tidal.sim.workload import (CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, clock_of, make_workload, phase_period,
                                  virtual_span)
 
 
@@ -267,6 +268,19 @@ def test_phase_layouts_follow_the_phases_of_the_clock(tmp_path, clock, first_mov
     assert [t for t in starts if t % 5] == [] and not set(not_then) & set(starts)
 
 
+def test_a_single_trace_on_the_wall_clock_runs_its_duration_from_the_cli(tmp_path):
+    """`--clock wall` on the conversation trace: 60 virtual seconds at rate scale 3 and at 6 (about twice the
+    requests); the report names the clock, the trace clock's by default."""
+    base = ["--instances", "4", "--prefill", "2", "--decode", "2", "--workload", "azure-conv", "--duration-s", "60",
+            "--length-scale", "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
+    slow = sim_json(tmp_path, "slow", *base, "--rate-scale", "3", "--clock", "wall")
+    fast = sim_json(tmp_path, "fast", *base, "--rate-scale", "6", "--clock", "wall")
+    trace = sim_json(tmp_path, "trace", *base, "--rate-scale", "3")
+    assert slow["config"]["workload"]["clock"] == "wall" and trace["config"]["workload"]["clock"] == "trace"
+    assert 1.5 < fast["summary"]["requests"] / slow["summary"]["requests"] < 2.5
+    assert trace["summary"]["requests"] < slow["summary"]["requests"] / 2  # 60 s of trace in 20 virtual seconds
+
+
 def sim_error(capsys, argv: list[str]) -> str:
     """`tidal sim` refuses the flags: exit status 2 and one `tidal sim: error:` line, which it returns."""
     with pytest.raises(SystemExit) as e:
@@ -485,9 +499,9 @@ def test_azure_shift_takes_each_trace_in_turn_and_on_the_trace_clock_scales_like
     conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=240))
     assert mixed == [r for r in code if r.arrival < 60] + [r for r in conv if 60 <= r.arrival < 120] + \
         [r for r in code if 120 <= r.arrival < 180] + [r for r in conv if 180 <= r.arrival < 240]
-    assert make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, phase_clock="trace")) == mixed
+    assert make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, clock="trace")) == mixed
     fast = make_workload(WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5,
-                                      phase_clock="trace"))
+                                      clock="trace"))
     assert [r.input_tokens for r in fast] == [r.input_tokens for r in mixed]
     assert [r.arrival * 2.5 for r in fast] == pytest.approx([r.arrival for r in mixed])
 
@@ -511,7 +525,7 @@ def test_on_the_wall_clock_phases_keep_their_length_and_a_higher_rate_replays_mo
         fewer = [(r.input_tokens, r.output_tokens) for r in slow if 60 * k <= r.arrival < 60 * (k + 1)]
         assert 0 < len(fewer) <= len(got) and fewer == [(r.input_tokens, r.output_tokens) for r in got][:len(fewer)]
     assert len(slow) < len(fast)
-    trace_clock = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5, phase_clock="trace")
+    trace_clock = WorkloadSpec(name="azure-shift", duration_s=240, phase_s=60, rate_scale=2.5, clock="trace")
     assert virtual_span(trace_clock) == 96 and phase_period(trace_clock) == 24
 
 
@@ -523,12 +537,33 @@ def test_a_phase_longer_than_its_trace_wraps_around_it_as_often_as_needed():
     assert all(0 <= r.arrival < 100 for r in phase) and phase == sorted(phase, key=lambda r: r.arrival)
 
 
+def test_a_single_trace_on_the_wall_clock_lasts_its_duration_at_every_rate_and_wraps_around_its_end():
+    """On the wall clock a single trace replays rate scale x duration seconds of itself from its start: the
+    same requests as on the trace clock while they last, then the trace again from its first row."""
+    code = make_workload(WorkloadSpec(name="azure-code", duration_s=4000))
+    period = code[-1].arrival
+    assert clock_of(WorkloadSpec(name="azure-code")) == "trace" and clock_of(WorkloadSpec(name="shift")) == "wall"
+    for scale in (2.0, 5.0):
+        spec = WorkloadSpec(name="azure-code", duration_s=300, rate_scale=scale, clock="wall")
+        wall = make_workload(spec)
+        assert virtual_span(spec) == 300 and 290 < wall[-1].arrival < 300
+        on_trace = make_workload(WorkloadSpec(name="azure-code", duration_s=300 * scale, rate_scale=scale))
+        assert wall == on_trace  # 300 x 5 trace seconds: still within the hour, one lap
+    laps = make_workload(WorkloadSpec(name="azure-code", duration_s=100, rate_scale=2.001 * period / 100,
+                                      clock="wall"))
+    assert 2 * len(code) <= len(laps) < 2 * len(code) + 50  # two laps and the first seconds of a third
+    lap_s = 100 / 2.001  # virtual seconds per lap; a lap's last row arrives with the next one's first
+    two_laps = Counter((r.input_tokens, r.output_tokens) for r in laps if r.arrival < 2 * lap_s - 1e-6)
+    rows = [(r.input_tokens, r.output_tokens) for r in code]
+    assert two_laps == Counter(rows) + Counter(rows[:-1])
+
+
 def test_the_synthetic_shift_on_the_wall_clock_brings_more_requests_at_a_higher_rate():
     slow = make_workload(WorkloadSpec(name="shift", duration_s=600, phase_s=100))
     fast = make_workload(WorkloadSpec(name="shift", duration_s=600, phase_s=100, rate_scale=4))
     assert 3.3 < len(fast) / len(slow) < 4.7 and fast[-1].arrival < 600 and fast[-1].arrival > 590
-    with pytest.raises(ValueError, match="phase clock"):
-        make_workload(WorkloadSpec(name="shift", phase_clock="tide"))
+    with pytest.raises(ValueError, match="unknown clock"):
+        make_workload(WorkloadSpec(name="shift", clock="tide"))
 
 
 def test_phase_rate_ratio_plays_the_chat_phases_faster():

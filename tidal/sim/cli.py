@@ -17,8 +17,8 @@ from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import plot, report
-from tidal.sim.workload import (PHASE_CLOCKS, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, make_workload, phase_period,
-                                virtual_span)
+from tidal.sim.workload import (CLOCKS, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, clock_of, make_workload,
+                                phase_period, virtual_span)
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
                                "smollm2_cpu_2core.json")
@@ -46,17 +46,18 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rate-scale", type=float, default=1.0,
                    help="arrival rate multiplier: the trace's clock is divided by it (default: 1)")
     p.add_argument("--duration-s", type=float, default=300.0,
-                   help="azure-code|azure-conv, and the shifting mixes with --phase-clock trace: seconds of workload "
-                        "at rate scale 1 (the run's arrivals span duration / rate scale virtual seconds); the "
-                        "shifting mixes with --phase-clock wall: virtual seconds at every rate (default: 300)")
+                   help="on the trace clock: seconds of workload at rate scale 1 (the run's arrivals span "
+                        "duration / rate scale virtual seconds); on the wall clock: virtual seconds at every rate "
+                        "(default: 300)")
     p.add_argument("--phase-s", type=float, default=120.0,
-                   help="shift / azure-shift: seconds per phase, on the --phase-clock (default: 120)")
-    p.add_argument("--phase-clock", choices=PHASE_CLOCKS, default="wall",
-                   help="shift / azure-shift: wall: --phase-s and --duration-s are virtual seconds at every rate "
-                        "(the mix shifts every phase-s seconds of the cluster's time; a higher rate brings more "
-                        "requests); trace: seconds of workload at rate scale 1, divided by the rate scale like the "
-                        "single traces (the same requests at every rate, shorter phases at higher rates) "
-                        "(default: wall)")
+                   help="shift / azure-shift: seconds per phase, on the --clock (default: 120)")
+    p.add_argument("--clock", "--phase-clock", dest="clock", choices=CLOCKS, default=None,
+                   help="wall: --phase-s and --duration-s are virtual seconds at every rate (a shifting mix shifts "
+                        "every phase-s seconds of the cluster's time; a higher rate brings more requests: a single "
+                        "trace replays rate scale x duration seconds of itself, wrapping around its end); trace: "
+                        "seconds of workload at rate scale 1, divided by the rate scale (the same requests at every "
+                        "rate, a shorter run and shorter phases at higher rates) (default: wall for shift and "
+                        "azure-shift, trace for azure-code and azure-conv)")
     p.add_argument("--phase-rate-ratio", type=float, default=1.0,
                    help="shift / azure-shift: the chat phases run this many times as fast as the code phases "
                         "(azure-shift replays ratio x as much of the conversation trace per phase), so "
@@ -237,10 +238,11 @@ def load_cost(path: str, flag: str = "--profile") -> Any:
 
 
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
-    return WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
+    spec = WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
                         duration_s=ns.duration_s, phase_s=ns.phase_s, length_scale=ns.length_scale,
                         trace=ns.trace, seed=ns.seed, phase_rate_ratio=ns.phase_rate_ratio,
-                        phase_clock=ns.phase_clock)
+                        clock=ns.clock)
+    return dataclasses.replace(spec, clock=clock_of(spec))
 
 
 def limits(ns: argparse.Namespace) -> Limits:

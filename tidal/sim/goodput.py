@@ -175,7 +175,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
     return {"simulated": True, "instances": n, "workload": ns.workload, "duration_s": ns.duration_s,
-            "phase_s": ns.phase_s, "phase_clock": ns.phase_clock, "phase_rate_ratio": ns.phase_rate_ratio,
+            "phase_s": ns.phase_s, "clock": workload_spec(ns).clock, "phase_rate_ratio": ns.phase_rate_ratio,
             "length_scale": ns.length_scale,
             "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,

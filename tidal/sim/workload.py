@@ -1,24 +1,27 @@
 """The simulator's workloads: (arrival seconds, prompt tokens, output tokens) per request.
 
 - azure-code / azure-conv: the Azure LLM inference trace 2023 shipped in tidal/bench/data
-  (CC-BY 4.0, attribution in its README): its first `duration_s` seconds, arrivals divided
-  by the rate scale (the same requests at every scale, so a goodput search compares like
-  with like; the run lasts duration_s / rate_scale virtual seconds);
+  (CC-BY 4.0, attribution in its README), its arrivals divided by the rate scale: on the trace
+  clock (their default) its first `duration_s` seconds (the same requests at every scale; the run
+  lasts duration_s / rate_scale virtual seconds), on the wall clock `duration_s` virtual seconds
+  of it from its start, wrapping around its end as often as that takes;
 - shift: synthetic Poisson arrivals (1 request/s at scale 1, times the rate scale) alternating every
   `phase_s` seconds between a code-like mix (long prompts, short answers) and a chat-like mix
   (short prompts, long answers);
 - azure-shift: the two Azure traces alternating every `phase_s` seconds (code first), each phase
   replaying its trace at the rate scale.
 
-Two clocks for the shifting mixes (`phase_clock`):
-- "wall" (default): `phase_s` and `duration_s` are virtual seconds at every rate scale: the mix
+Two clocks (`clock`; None: "wall" for the shifting mixes, "trace" for the single traces):
+- "wall": `phase_s` and `duration_s` are virtual seconds at every rate scale: the mix
   shifts every `phase_s` seconds of the cluster's time, as a service's traffic does, and a higher
   rate brings more requests in the same time. An azure-shift phase k replays `scale` x `phase_s`
   seconds of its trace from trace second k * phase_s (wrapping around its end as often as needed),
   played `scale` times as fast: a phase at a higher rate holds the same requests as at a lower one,
   closer together, and more after them (were the window to start at k * phase_s * scale, each rate
   would replay other bursts, and attainment would jump up and down with the rate: 0.89, 0.88, 0.97
-  at scales 2.0, 2.25, 2.5 for one split).
+  at scales 2.0, 2.25, 2.5 for one split). A single trace on the wall clock is one such phase that
+  lasts the whole run: a run as long at a high rate as at a low one, so that a cluster that serves
+  many requests a second is measured past its first minute, as the shifting mixes are.
 - "trace": `phase_s` and `duration_s` are seconds of workload at rate scale 1, then divided by the
   rate scale like the single traces: the same requests at every rate, phases shorter as the rate
   rises (at 64 instances a 480-s phase lasts ~27 virtual seconds at the rates they serve, shorter
@@ -30,9 +33,10 @@ time (from R times the phase's start). The two traces cost very different amount
 the same rate a code phase saturates a cluster that a conversation phase leaves mostly idle); R
 makes both phases load it alike, the case where one static split cannot suit both.
 
-The single traces give the same requests at every rate scale, only closer together: the goodput
-search's attainment then moves with the rate alone, not with which slice of a bursty trace a rate
-happens to pick.
+On the trace clock the single traces give the same requests at every rate scale, only closer
+together: the goodput search's attainment then moves with the rate alone, not with which slice of a
+bursty trace a rate happens to pick. On the wall clock they too bring, at a higher rate, the same
+requests closer together and more after them.
 
 Deterministic: the same seed gives the same requests.
 """
@@ -48,7 +52,7 @@ from typing import Optional
 from tidal.bench.datasets import load_azure_trace, resolve_trace_file
 
 WORKLOADS = ("azure-code", "azure-conv", "shift", "azure-shift")
-PHASE_CLOCKS = ("wall", "trace")
+CLOCKS = ("wall", "trace")
 PHASE_MIXES = {"shift": ("code-like", "chat-like"), "azure-shift": ("code", "conversation")}  # even, odd phases
 # one hour of trace at most: the shipped files hold 8,819 (code) and 19,366 (conv) rows
 MAX_TRACE_ROWS = 20000
@@ -76,7 +80,7 @@ class WorkloadSpec:
     trace: Optional[str] = None  # a CSV (TIMESTAMP,ContextTokens,GeneratedTokens) or the trace directory
     seed: int = 0
     phase_rate_ratio: float = 1.0  # shift / azure-shift: the chat phases' rate over the code phases'
-    phase_clock: str = "wall"  # shift / azure-shift: "wall" (phase_s, duration_s virtual) or "trace" (at scale 1)
+    clock: Optional[str] = None  # "wall" (phase_s, duration_s virtual) or "trace" (at scale 1); None: per workload
 
 
 def _scaled(n: int, scale: float) -> int:
@@ -101,11 +105,17 @@ def replay(rows: list[tuple[float, int, int]], spec: WorkloadSpec, start: float 
     return out
 
 
+def clock_of(spec: WorkloadSpec) -> str:
+    """The spec's clock: the one it names, else the wall for the shifting mixes and the trace's own for
+    the single traces."""
+    if spec.clock is not None:
+        return spec.clock
+    return "wall" if spec.name in PHASE_MIXES else "trace"
+
+
 def clock_divisor(spec: WorkloadSpec) -> float:
     """Virtual seconds = the workload's own seconds (phase_s, duration_s) divided by this."""
-    if spec.name in PHASE_MIXES and spec.phase_clock == "wall":
-        return 1.0
-    return spec.rate_scale
+    return 1.0 if clock_of(spec) == "wall" else spec.rate_scale
 
 
 def synthetic_shift(spec: WorkloadSpec) -> list[TraceRequest]:
@@ -169,14 +179,17 @@ def check(spec: WorkloadSpec) -> None:
                         ("--length-scale", spec.length_scale)):
         if not value > 0 or math.isinf(value):
             raise ValueError(f"{flag} must be a positive number, not {value:g}")
-    if spec.phase_clock not in PHASE_CLOCKS:
-        raise ValueError(f"unknown phase clock {spec.phase_clock!r}: expected one of {', '.join(PHASE_CLOCKS)}")
+    if spec.clock is not None and spec.clock not in CLOCKS:
+        raise ValueError(f"unknown clock {spec.clock!r}: expected one of {', '.join(CLOCKS)}")
 
 
 def make_workload(spec: WorkloadSpec) -> list[TraceRequest]:
     check(spec)
     if spec.name in ("azure-code", "azure-conv"):
-        return replay(_trace_rows(spec.name, spec.trace), spec)
+        rows = _trace_rows(spec.name, spec.trace)
+        if clock_of(spec) == "wall":
+            return compressed_window(rows, 0.0, spec.duration_s, spec.rate_scale, 0.0, spec)
+        return replay(rows, spec)
     if spec.name == "shift":
         return synthetic_shift(spec)
     if spec.name == "azure-shift":
