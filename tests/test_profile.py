@@ -164,6 +164,21 @@ def test_decode_reproduces_a_linear_cost_exactly_inside_and_outside_the_grid():
         assert cm.decode_step_seconds(b, c) == pytest.approx(cost(b, c))
 
 
+def test_remembered_steps_are_the_ones_computed_and_the_memory_stays_bounded(monkeypatch):
+    """The cost model remembers what it computed (the planner asks the same steps for every layout): a second
+    model asked in another order gives the same values, and the memory is emptied once it holds MEMO_SIZE."""
+    import tidal.profile.cost as cost
+
+    monkeypatch.setattr(cost, "MEMO_SIZE", 8)
+    asked = [(b, c) for b in (1, 2, 3, 5) for c in (50, 300, 900)]
+    first, second = CostModel.from_dict(make_profile()), CostModel.from_dict(make_profile())
+    got = {(b, c): first.decode_step_seconds(b, c) for b, c in asked}
+    assert {(b, c): second.decode_step_seconds(b, c) for b, c in reversed(asked)} == got
+    assert got[2, 300] == pytest.approx(0.025) and first.decode_step_seconds(2, 300) == got[2, 300]
+    assert [first.prefill_seconds(n) for n in (150, 150, 300)] == [1.25, 1.25, 2.5]
+    assert 0 < len(first._decode_memo) <= 8
+
+
 def test_switch_transfer_and_capacity():
     cm = CostModel.from_dict(make_profile(
         switch=[{"src": "null", "dst": "prefill", "seconds": 0.004},

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import statistics
 from collections import defaultdict
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Callable, Iterable, Optional, Sequence
 
 from tidal.cpus import cpu_flags, simd_flags
 from tidal.profile.schema import MODES, Profile, load_profile, profile_from_dict
@@ -54,11 +54,28 @@ def piecewise_linear(xs: Sequence[float], ys: Sequence[float], x: float) -> floa
     return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
+# results remembered per function (a pure function of its arguments: the points never change after construction);
+# the planner asks the same few hundred (batch, context) steps of one traffic for every layout it predicts
+MEMO_SIZE = 1 << 16
+
+
+def _memo(memo: dict, key: Any, compute: Callable[[], float]) -> float:
+    hit = memo.get(key)
+    if hit is None:
+        if len(memo) >= MEMO_SIZE:
+            memo.clear()
+        hit = memo[key] = compute()
+    return hit
+
+
 class CostModel:
     """Seconds per unit of work on the profiled server (see docs/elasticity.md, "Profile")."""
 
     def __init__(self, profile: Profile):
         self.profile = profile
+        self._prefill_memo: dict[int, float] = {}
+        self._shared_memo: dict[float, float] = {}
+        self._decode_memo: dict[tuple[float, float], float] = {}
         self._prefill = _averaged((p.tokens, p.seconds) for p in profile.prefill)
         self._prefill_shared = _averaged(
             (p.tokens, (p.batch * self.prefill_seconds(p.tokens) - p.seconds) / (p.batch - 1))
@@ -86,7 +103,7 @@ class CostModel:
         """One prompt of `tokens` new (uncached) tokens, alone in its batch; 0 for none."""
         if tokens <= 0:
             return 0.0
-        return max(0.0, piecewise_linear(*self._prefill, tokens))
+        return _memo(self._prefill_memo, tokens, lambda: max(0.0, piecewise_linear(*self._prefill, tokens)))
 
     def prefill_step_seconds(self, lengths: Sequence[int]) -> float:
         """One prefill step over prompts of these new (uncached) token counts; 0 for none."""
@@ -106,8 +123,8 @@ class CostModel:
         it holds (between 0 and one such prompt's time alone); 0 without batch points."""
         if tokens <= 0 or not self.has_prefill_batches:
             return 0.0
-        shared = piecewise_linear(*self._prefill_shared, tokens)
-        return min(max(shared, 0.0), self.prefill_seconds(int(tokens)))
+        return _memo(self._shared_memo, tokens, lambda: min(max(piecewise_linear(*self._prefill_shared, tokens), 0.0),
+                                                            self.prefill_seconds(int(tokens))))
 
     def decode_step_seconds(self, batch: float, context_tokens: float) -> float:
         """One decode step of `batch` running requests whose KV lengths sum to context_tokens. Past the
@@ -116,6 +133,9 @@ class CostModel:
         context's slope with the batch's: at batch 64 x 528 tokens it gave 3.5x the measured step)."""
         if batch <= 0:
             return 0.0
+        return _memo(self._decode_memo, (batch, context_tokens), lambda: self._decode_step(batch, context_tokens))
+
+    def _decode_step(self, batch: float, context_tokens: float) -> float:
         if batch > self._batches[-1] and len(self._batches) > 1:
             (b1, b2), per_request = self._batches[-2:], context_tokens / batch
             s1, s2 = self.decode_step_seconds(b1, per_request * b1), self.decode_step_seconds(b2, per_request * b2)
