@@ -1,6 +1,10 @@
 """The planner on real servers: 1 prefill + 2 decode tidal servers behind `tidal router
 --planner sla`; long prompts under a profile where prefill is the bottleneck starve the
-prefill pool, and the planner moves a decode server to prefill while no request fails."""
+prefill pool, and the planner moves a decode server to a role that prefills while no request
+fails. Prefill and null are both such roles: a null worker takes half the arrivals whole, which
+loads each prefilling worker as a second prefill server would. Under this profile no layout meets
+the SLOs (a prompt's prefill alone takes ~1 s), the planner ranks by how soon the backlog is worked
+off, which puts the two close, and the snapshot of the moment picks one (a CI run saw null)."""
 
 from __future__ import annotations
 
@@ -57,10 +61,11 @@ def test_planner_moves_a_decode_server_to_the_starved_prefill_pool(tmp_path):
                 moved = [x for x in status["decisions"] if x["kind"] == "move" and x["outcome"] == "ok"]
             time.sleep(2)  # traffic keeps flowing over the new layout
         assert moved, status["decisions"][:3]
-        assert (moved[0]["src"], moved[0]["dst"]) == ("decode", "prefill")
+        src, dst = moved[0]["src"], moved[0]["dst"]
+        assert src == "decode" and dst in ("prefill", "null"), moved[0]["reason"]
         assert moved[0]["current"]["paths"]["pd"]["ttft_s"] > 1.0
         workers = {w["url"]: w["mode"] for w in httpx.get(router.url + "/workers").json()["workers"]}
-        assert sorted(workers.values()) == ["decode", "prefill", "prefill"]
+        assert sorted(workers.values()) == sorted(["decode", "prefill", dst])
         assert traffic.failures == [] and traffic.mismatches == [] and traffic.ok > 5
     finally:
         if router is not None:
