@@ -1035,6 +1035,14 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     queued_279 = layout(1, 1, 4, null={"queued_prefill_tokens": 10 * 279, "waiting_reqs": 10})
     kept, note = queued_mix(PoolLoad(queued_279), code_window)
     assert (kept.mean_input_tokens, kept.mean_output_tokens) == (279, 8) and "past window" not in note, note
+    # and where a conversation window is the nearest (16 (c) at 16 s, rate scale 3.5, t = 420 s, 2026-12-02: 290-token
+    # code prompts, the nearest past window 296 / 69.5, a code window 306 / 4.5 close behind): the nearest alone
+    # would head for 12:4 from 15:1
+    nearest_chat = msgspec.structs.replace(code_window, mean_input_tokens=441, mean_output_tokens=7.1,
+                                           past_mixes=[[441.0, 7.1], [318.0, 42.7], [311.0, 58.1], [296.0, 69.5],
+                                                       [306.0, 4.5]])
+    queued_290 = layout(1, 1, 4, null={"queued_prefill_tokens": 10 * 290, "waiting_reqs": 10})
+    assert queued_mix(PoolLoad(queued_290), nearest_chat)[0].mean_output_tokens == 7.1
     chat_only = msgspec.structs.replace(code_window, past_mixes=[[350.0, 16.5], [316.0, 75.0]])  # 16.5: over 2x of 8
     assert queued_mix(PoolLoad(queued_279), chat_only)[0].mean_output_tokens == 75
     # at three times the rate, 80-token answers would need a second decode worker; 6-token ones do not

@@ -15,8 +15,8 @@ from tidal.profile.cost import CostModel
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.goodput import search_rate
 from tidal.sim.instance import Limits
-from tidal.sim.workload import (CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, clock_of, make_workload, phase_period,
-                                 virtual_span)
+from tidal.sim.workload import (CHAT_LIKE, CODE_LIKE, TraceRequest, WorkloadSpec, clock_of, even_phase_rate_ratio,
+                                 make_workload, phase_period, virtual_span)
 
 
 FIXED_PROFILE = os.path.join(os.path.dirname(__file__), "data", "profile_2core_2026-11-24a.json")
@@ -581,6 +581,31 @@ def test_phase_rate_ratio_plays_the_chat_phases_faster():
     syn = make_workload(WorkloadSpec(name="shift", duration_s=4000, phase_s=500, phase_rate_ratio=3))
     chat = sum(1 for r in syn if int(r.arrival // 500) % 2)
     assert 2.5 < chat / (len(syn) - chat) < 3.5
+
+
+def test_an_even_phase_rate_ratio_gives_both_phases_one_request_rate(tmp_path, capsys):
+    """'even': the code trace's mean rate over the conversation trace's (the shipped conversation trace brings
+    2.15x the requests a second). With a phase that replays one whole lap of the conversation trace, the code phase
+    before it brings as many requests (to the partial lap's unevenness); at ratio 1 it brings 0.46x as many."""
+    ratio = even_phase_rate_ratio("azure-shift")
+    assert ratio == pytest.approx(0.4641, abs=1e-4) and even_phase_rate_ratio("shift") == 1.0
+    conv = make_workload(WorkloadSpec(name="azure-conv", duration_s=1e6))  # the whole trace on its own clock
+    phase = max(r.arrival for r in conv) / ratio  # the conversation phase replays the trace's span once
+    for r, share in ((ratio, 1.0), (1.0, ratio)):
+        reqs = make_workload(WorkloadSpec(name="azure-shift", duration_s=2 * phase, phase_s=phase, phase_rate_ratio=r))
+        code = sum(1 for x in reqs if x.arrival < phase)
+        assert code / (len(reqs) - code) == pytest.approx(share, rel=0.03)
+    d = sim_json(tmp_path, "even", "run", "--instances", "2", "--workload", "azure-shift", "--phase-rate-ratio",
+                 "even", "--duration-s", "20", "--phase-s", "10", "--length-scale", "0.25")
+    assert d["config"]["workload"]["phase_rate_ratio"] == pytest.approx(ratio)
+    g = sim_json(tmp_path, "even_goodput", "goodput", "--instances", "2", "--workload", "azure-shift", "--layouts",
+                 "1:1", "--phase-rate-ratio", "even", "--duration-s", "20", "--phase-s", "10", "--length-scale", "0.25",
+                 "--rate-tolerance", "0.5")
+    assert g["phase_rate_ratio"] == pytest.approx(ratio)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as e:  # argparse's own error: the usage, then the line
+        main(["sim", "run", "--phase-rate-ratio", "odd"])
+    assert e.value.code == 2 and "--phase-rate-ratio: 'odd' is neither a number nor 'even'" in capsys.readouterr().err
 
 
 # ---------------------------------------------------------------- goodput search and CLI

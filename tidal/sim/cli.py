@@ -17,8 +17,8 @@ from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import plot, report
-from tidal.sim.workload import (CLOCKS, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, clock_of, make_workload,
-                                phase_period, virtual_span)
+from tidal.sim.workload import (CLOCKS, EVEN, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, clock_of,
+                                even_phase_rate_ratio, make_workload, phase_period, virtual_span)
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
                                "smollm2_cpu_2core.json")
@@ -58,10 +58,12 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "seconds of workload at rate scale 1, divided by the rate scale (the same requests at every "
                         "rate, a shorter run and shorter phases at higher rates) (default: wall for shift and "
                         "azure-shift, trace for azure-code and azure-conv)")
-    p.add_argument("--phase-rate-ratio", type=float, default=1.0,
+    p.add_argument("--phase-rate-ratio", type=phase_rate_ratio_arg, default=1.0,
                    help="shift / azure-shift: the chat phases run this many times as fast as the code phases "
                         "(azure-shift replays ratio x as much of the conversation trace per phase), so "
-                        "that both kinds of phase can load the cluster alike (default: 1)")
+                        "that both kinds of phase can load the cluster alike; 'even': both kinds of phase at "
+                        "the same mean request rate (azure-shift: the code trace's mean rate over the "
+                        "conversation trace's, 0.4641 on the shipped traces) (default: 1)")
     p.add_argument("--length-scale", type=float, default=1.0,
                    help="prompt and output token counts multiplied by this (default: 1)")
     p.add_argument("--seed", type=int, default=0, help="random seed (synthetic arrivals, random policies) (default: 0)")
@@ -237,11 +239,21 @@ def load_cost(path: str, flag: str = "--profile") -> Any:
         fail(f"{flag}: {e}" if str(path) in str(e) else f"{flag} {path}: {e}")
 
 
+def phase_rate_ratio_arg(text: str) -> Any:
+    """--phase-rate-ratio: a number, or EVEN (resolved per workload by `workload_spec`)."""
+    if text.strip().lower() == EVEN:
+        return EVEN
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a number nor {EVEN!r}") from None
+
+
 def workload_spec(ns: argparse.Namespace, rate_scale: Optional[float] = None) -> WorkloadSpec:
+    ratio = even_phase_rate_ratio(ns.workload) if ns.phase_rate_ratio == EVEN else ns.phase_rate_ratio
     spec = WorkloadSpec(name=ns.workload, rate_scale=ns.rate_scale if rate_scale is None else rate_scale,
                         duration_s=ns.duration_s, phase_s=ns.phase_s, length_scale=ns.length_scale,
-                        trace=ns.trace, seed=ns.seed, phase_rate_ratio=ns.phase_rate_ratio,
-                        clock=ns.clock)
+                        trace=ns.trace, seed=ns.seed, phase_rate_ratio=ratio, clock=ns.clock)
     return dataclasses.replace(spec, clock=clock_of(spec))
 
 

@@ -174,8 +174,9 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
+    spec = workload_spec(ns)
     return {"simulated": True, "instances": n, "workload": ns.workload, "duration_s": ns.duration_s,
-            "phase_s": ns.phase_s, "clock": workload_spec(ns).clock, "phase_rate_ratio": ns.phase_rate_ratio,
+            "phase_s": ns.phase_s, "clock": spec.clock, "phase_rate_ratio": spec.phase_rate_ratio,
             "length_scale": ns.length_scale,
             "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,

@@ -31,7 +31,10 @@ Two clocks (`clock`; None: "wall" for the shifting mixes, "trace" for the single
 first: a chat phase of azure-shift replays R times as much of the conversation trace in the same
 time (from R times the phase's start). The two traces cost very different amounts per request (at
 the same rate a code phase saturates a cluster that a conversation phase leaves mostly idle); R
-makes both phases load it alike, the case where one static split cannot suit both.
+makes both phases load it alike, the case where one static split cannot suit both. R = "even"
+(`even_phase_rate_ratio`) gives both kinds of phase the same mean request rate: on azure-shift the code
+trace's mean rate over the conversation trace's (0.4641 on the shipped traces, whose conversation trace
+brings 2.15x the requests a second), so that the mix shifts while the request rate holds; 1 on shift.
 
 On the trace clock the single traces give the same requests at every rate scale, only closer
 together: the goodput search's attainment then moves with the rate alone, not with which slice of a
@@ -52,6 +55,7 @@ from typing import Optional
 from tidal.bench.datasets import load_azure_trace, resolve_trace_file
 
 WORKLOADS = ("azure-code", "azure-conv", "shift", "azure-shift")
+EVEN = "even"  # --phase-rate-ratio: both kinds of phase at one mean request rate (even_phase_rate_ratio)
 CLOCKS = ("wall", "trace")
 PHASE_MIXES = {"shift": ("code-like", "chat-like"), "azure-shift": ("code", "conversation")}  # even, odd phases
 # one hour of trace at most: the shipped files hold 8,819 (code) and 19,366 (conv) rows
@@ -152,6 +156,21 @@ def compressed_window(rows: list[tuple[float, int, int]], start: float, span: fl
                 out.append(TraceRequest((phase_start + offset / speed) / divisor,
                                         _scaled(prompt, spec.length_scale), _scaled(output, spec.length_scale)))
     return sorted(out, key=lambda r: r.arrival)
+
+
+def mean_rate(rows: list[tuple[float, int, int]]) -> float:
+    """A trace's requests a second, over the span from its first arrival to its last."""
+    return len(rows) / rows[-1][0] if rows and rows[-1][0] > 0 else 0.0
+
+
+def even_phase_rate_ratio(workload: str) -> float:
+    """The phase rate ratio at which both kinds of phase bring the same mean request rate ("even"): on
+    azure-shift the code trace's mean rate over the conversation trace's; 1 elsewhere (the synthetic shift's
+    phases share SHIFT_BASE_RATE)."""
+    if workload != "azure-shift":
+        return 1.0
+    code, conv = mean_rate(_trace_rows("azure-code", None)), mean_rate(_trace_rows("azure-conv", None))
+    return code / conv if code > 0 and conv > 0 else 1.0
 
 
 def azure_shift(spec: WorkloadSpec) -> list[TraceRequest]:
