@@ -1043,7 +1043,7 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
                                                        [306.0, 4.5]])
     queued_290 = layout(1, 1, 4, null={"queued_prefill_tokens": 10 * 290, "waiting_reqs": 10})
     assert queued_mix(PoolLoad(queued_290), nearest_chat)[0].mean_output_tokens == 7.1
-    chat_only = msgspec.structs.replace(code_window, past_mixes=[[350.0, 16.5], [316.0, 75.0]])  # 16.5: over 2x of 8
+    chat_only = msgspec.structs.replace(code_window, past_mixes=[[350.0, 25.0], [316.0, 75.0]])  # 25: over 3x of 8
     assert queued_mix(PoolLoad(queued_279), chat_only)[0].mean_output_tokens == 75
     # at three times the rate, 80-token answers would need a second decode worker; 6-token ones do not
     busy, busy_seen = (msgspec.structs.replace(t, arrival_rate=12.0, recent_arrival_rate=12.0) for t in (chat, seen))
@@ -1053,6 +1053,39 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     assert short_answers.target.pools[DECODE] == 1 < assumed.target.pools[DECODE], (short_answers.reason,
                                                                                      assumed.reason)
     assert "answers of 6 as a past window's of such prompts" in short_answers.reason
+
+
+def test_a_window_of_the_own_kind_vetoes_the_queued_lookup_only_as_near_as_the_queue_can_tell():
+    """A long queue's mean prompt lies within a few percent of its kind's windows' by sampling alone, a short one's
+    within tens of percent: windows of the window's own kind further off than that do not veto another kind's
+    answers. The even mix at 64 instances, rate scale 25.828, t = 370 s (the tree of dadc3dd): 408 code prompts of 487
+    tokens queue after a conversation window of 247 / 37.4; the nearest past window is code (493 / 6.7), conversation
+    bursts lie 1.36x and 1.43x off. The lookup only ever returns another kind's answers: on the conversation trace
+    alone (64 instances, wall clock, rate scale 15.17, t = 375 s) 214 prompts of 213 tokens after a window of 341 / 33
+    found a lull window's 67 (2.03x: one kind's burst and lull) and moved 12 workers to decode."""
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.queued import QUEUED_SHIFT, queued_mix, sampling_radius, seen_answers
+
+    conv_deciles = [60, 100, 140, 180, 220, 260, 300, 350, 400, 460]
+    conv = Traffic(arrival_rate=100.0, mean_input_tokens=247, mean_output_tokens=37.4,
+                   input_tokens_deciles=conv_deciles,
+                   past_mixes=[[493.0, 6.7], [358.0, 33.9], [341.0, 45.5], [250.0, 40.0]])
+    assert 1.0 < sampling_radius(conv_deciles, 408) < 1.06 < sampling_radius(conv_deciles, 20) < 1.3
+    assert sampling_radius([], 408) == sampling_radius(conv_deciles, 0) == QUEUED_SHIFT  # no spread known: as before
+    long_queue = layout(8, 8, 0, prefill={"waiting_reqs": 51, "queued_prefill_tokens": 51 * 487,
+                                          "waiting_prompt_tokens": 51 * 487})
+    code, note = queued_mix(PoolLoad(long_queue), conv)
+    assert code.mean_output_tokens == 6.7 and "answers of 7 as a past window's" in note, note
+    # 20 prompts of 487 tokens (2 waiting on each of 10 workers): a conversation window 1.16x off (420 / 36) lies
+    # within their sampling error, so they may be a conversation burst's
+    near = msgspec.structs.replace(conv, past_mixes=conv.past_mixes + [[420.0, 36.0]])
+    short_queue = layout(10, 6, 0, prefill={"waiting_reqs": 2, "queued_prefill_tokens": 2 * 487,
+                                            "waiting_prompt_tokens": 2 * 487})
+    assert queued_mix(PoolLoad(short_queue), near)[0].mean_output_tokens == 37.4
+    assert queued_mix(PoolLoad(long_queue), near)[0].mean_output_tokens == 6.7  # 408: 1.16x is beyond its error
+    # the nearest past window of the window's own kind: no other kind's answers to take (33 / 67: one kind)
+    assert seen_answers(213.0, [[215.0, 67.0], [300.0, 6.0]], 33.0, veto_radius=1.0) is None
+    assert seen_answers(213.0, [[215.0, 67.0], [300.0, 6.0]], 6.0, veto_radius=1.0) == 67.0
 
 
 def test_the_queued_prompts_are_the_waiting_requests_own_where_every_worker_reports_them():

@@ -15,9 +15,13 @@ from tidal.planner.window import scaled
 # differs from the window's by this factor, either way
 QUEUED_SAMPLE = 20
 QUEUED_SHIFT = 1.5
-# answers within this factor are of one kind of request (the kinds of a mix differ by far more: 4-8 against 58-75
-# tokens a window on the Azure code and conversation traces at x0.25)
-SAME_ANSWERS = 2.0
+# a past window of the window's own kind of answers vetoes the queued prompts' lookup only within this many
+# standard errors of the queued prompts' mean: a long queue is not a sample of windows further off
+SAMPLING_Z = 2.0
+# answers within this factor are of one kind of request. On the Azure traces at x0.25 a window's answers are
+# 4-12 tokens on code and 33-75 on conversation, the conversation trace's bursts and lulls 2.03x apart at most
+# (33 / 67 at 64 instances on the wall clock); the two kinds 2.7x at their nearest (12.1 / 33), 8-10x by the means
+SAME_ANSWERS = 3.0
 
 
 def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
@@ -42,7 +46,8 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
         return traffic, ""
     note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
-    answers = seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens)
+    veto = sampling_radius(traffic.input_tokens_deciles, waiting)
+    answers = seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens, veto)
     if answers is None:
         answers = traffic.mean_output_tokens
     else:
@@ -65,14 +70,33 @@ def queued_prompt_tokens(load: PoolLoad) -> int:
     return load.queued_prefill_tokens[PREFILL] + load.queued_prefill_tokens[NULL]
 
 
-def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: float = 0.0) -> Optional[float]:
+def sampling_radius(deciles: list[int], waiting: int) -> float:
+    """The factor within which the mean of `waiting` prompts drawn from the window's prompt lengths (`deciles`)
+    lies at SAMPLING_Z standard errors, at most QUEUED_SHIFT."""
+    if not deciles or waiting <= 0:
+        return QUEUED_SHIFT
+    mean = sum(deciles) / len(deciles)
+    if mean <= 0:
+        return QUEUED_SHIFT
+    cv = math.sqrt(sum((x - mean) ** 2 for x in deciles) / len(deciles)) / mean
+    return min(QUEUED_SHIFT, math.exp(SAMPLING_Z * cv / math.sqrt(waiting)))
+
+
+def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: float = 0.0,
+                 veto_radius: float = QUEUED_SHIFT) -> Optional[float]:
     """The mean answer of the past window whose mean prompt was nearest `prompt` (by ratio; the newest among
-    equals), if within QUEUED_SHIFT of it; None if none is, or if a past window within QUEUED_SHIFT had answers
-    within SAME_ANSWERS of `window_answer` (the window's own): such prompts came with the window's kind of answers
-    before, so they do not tell another mix. A mix's kinds of request differ in both lengths (code completion:
-    long prompts, short answers; chat: the reverse), and queued requests' answers are not known before they end;
-    where the kinds' prompts overlap (the Azure code and conversation traces, x0.25: 300-500 and 310-330 tokens
-    a window) a heavy-tailed queue of the window's own mix lands near the other kind's prompts."""
+    equals), if within QUEUED_SHIFT of it and of another kind than the window's own (answers not within
+    SAME_ANSWERS of `window_answer`); None if no window is, if the nearest is of the window's own kind, or if a past
+    window of the window's own kind lies within `veto_radius` of `prompt`: such prompts came with the window's kind
+    of answers before, so they do not tell another mix. A mix's kinds of request differ in both lengths (code
+    completion: long prompts, short answers; chat: the reverse), and queued requests' answers are not known before
+    they end; where the kinds' prompts overlap (the Azure code and conversation traces, x0.25: 300-500 and 310-330
+    tokens a window) a heavy-tailed queue of the window's own mix lands near the other kind's prompts. The radius is
+    how far the queue's mean may lie from its kind's windows by sampling alone (`sampling_radius`): a long queue far
+    from every window of the window's kind is another mix."""
+    def own_kind(answer: float) -> bool:
+        return window_answer > 0 and answer > 0 and abs(math.log(answer / window_answer)) <= math.log(SAME_ANSWERS)
+
     best = None
     for seen_prompt, answer in past_mixes:
         if seen_prompt <= 0:
@@ -80,8 +104,8 @@ def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: fl
         off = abs(math.log(prompt / seen_prompt))
         if off >= math.log(QUEUED_SHIFT):
             continue
-        if window_answer > 0 and answer > 0 and abs(math.log(answer / window_answer)) <= math.log(SAME_ANSWERS):
+        if own_kind(answer) and off < math.log(veto_radius):
             return None
         if best is None or off < best[0]:
             best = (off, answer)
-    return None if best is None else best[1]
+    return None if best is None or own_kind(best[1]) else best[1]
