@@ -786,6 +786,29 @@ def test_a_layout_short_of_todays_rate_moves_below_the_hysteresis_to_one_that_me
     assert "meets today's rate" in short.reason
 
 
+def test_short_of_todays_rate_a_layout_that_meets_the_tpot_slo_pays_against_one_that_misses_it():
+    """Neither layout meets today's rate and the current one has the larger capacity (0.85x against 0.83x), but its
+    decode side misses the TPOT SLO now and the target's meets it: heading there pays, for a capacity down by the
+    hysteresis at most. Either side of that, the capacities decide."""
+    from tidal.planner.decide import gain_enough
+    from tidal.planner.schema import PD_PATH, PathPrediction, Prediction
+
+    def pred(pools: tuple[int, int], capacity: float, ttft_s: float, tpot_s: float) -> Prediction:
+        score = max(ttft_s / 8.0, tpot_s / 0.2)
+        return Prediction(pools={NULL: 0, PREFILL: pools[0], DECODE: pools[1]}, score=score, capacity=capacity,
+                          paths={PD_PATH: PathPrediction(share=1.0, ttft_s=ttft_s, tpot_s=tpot_s, score=score)})
+
+    missing = pred((61, 3), 0.85, 36.7, 0.327)
+    meeting = pred((60, 4), 0.83, 13.9, 0.062)
+    pays, why = gain_enough(missing, meeting, 0.3, tpot_slo_s=0.2)
+    assert pays and "meets the TPOT SLO at today's rate, which the current layout misses" in why, why
+    assert not gain_enough(missing, meeting, 0.3)[0]  # no TPOT SLO given: the capacities alone
+    assert not gain_enough(pred((61, 3), 0.85, 36.7, 0.15), meeting, 0.3, tpot_slo_s=0.2)[0]  # both meet it
+    assert not gain_enough(missing, pred((60, 4), 0.83, 13.9, 0.25), 0.3, tpot_slo_s=0.2)[0]  # both miss it
+    assert gain_enough(missing, pred((60, 4), 0.6, 13.9, 0.062), 0.3, tpot_slo_s=0.2)[0]  # 0.3 down: still pays
+    assert not gain_enough(missing, pred((60, 4), 0.59, 13.9, 0.062), 0.3, tpot_slo_s=0.2)[0]  # further: not
+
+
 def test_in_overload_a_decode_pool_that_meets_the_tpot_slo_is_not_traded_for_one_that_misses_it():
     """4 prefill : 2 decode with 5000 prompt tokens queued: no layout meets the SLOs at any rate (the backlog).
     5:1 scores best (TTFT 4.7 s against 5.8 s), but with 100-token answers its one decode worker misses the

@@ -359,9 +359,15 @@ def young_hysteresis(hysteresis: float, traffic: Traffic, window_s: float) -> fl
 
 
 def gain_enough(current: Prediction, target: Prediction, hysteresis: float,
-                capacity_hysteresis: Optional[float] = None) -> tuple[bool, str]:
+                capacity_hysteresis: Optional[float] = None, tpot_slo_s: Optional[float] = None) -> tuple[bool, str]:
     """Whether heading for `target` pays: capacity up by `capacity_hysteresis` (relative; default the
-    hysteresis), or by MEETS_TODAY_GAIN when the target meets today's rate and the current layout does not;
+    hysteresis), or by MEETS_TODAY_GAIN when the target meets today's rate and the current layout does not, or
+    at all (down by the hysteresis at most) when neither meets today's rate and the target's decode side meets
+    the TPOT SLO (`tpot_slo_s`) at it where the current's does not: a decode pool past the TPOT SLO fails every
+    request it serves, a prefill backlog only those it holds past the TTFT SLO (the even mix at 64 instances,
+    rate scale 26.6, t = 395-420 s: 61:3 held against 60:4 at 0.71-0.84x and 0.70-0.83x of the rate, its TPOT
+    predicted at 0.33-0.35 s in four of the six rounds against 60:4's 0.07-0.13 s, and the arrivals of t = 405-435 s
+    met 0.63 and 0.62, 0.76 and 0.87 with the move);
     when neither meets the SLOs at any rate, the backlog worked off sooner by the hysteresis (relative; from
     never, at all), or where both recover as soon, the score down by the hysteresis (absolute) and by
     MIN_RELATIVE_GAIN of it."""
@@ -369,6 +375,9 @@ def gain_enough(current: Prediction, target: Prediction, hysteresis: float,
         what = f"capacity {current.capacity:.2f}x -> {target.capacity:.2f}x the rate"
         if current.capacity < 1.0 <= target.capacity and target.capacity >= current.capacity * (1 + MEETS_TODAY_GAIN):
             return True, f"{what} (meets today's rate)"
+        if (tpot_slo_s is not None and target.capacity < 1.0 and not meets_tpot(current, tpot_slo_s)
+                and meets_tpot(target, tpot_slo_s) and target.capacity >= current.capacity * (1 - hysteresis)):
+            return True, f"{what} (meets the TPOT SLO at today's rate, which the current layout misses)"
         needed = hysteresis if capacity_hysteresis is None else capacity_hysteresis
         ok = target.capacity >= current.capacity * (1 + needed) and target.capacity > current.capacity
         return ok, what
@@ -387,7 +396,7 @@ def heading_pays(cfg: PlannerConfig, state: PlannerState, current: Prediction, t
     """(whether heading for `target` pays, why, the hysteresis applied as a hold names it): `gain_enough` with
     the router's first seconds' larger capacity hysteresis, or a committed target."""
     young = young_hysteresis(cfg.hysteresis, traffic, cfg.window_s)
-    pays, what = gain_enough(current, target, cfg.hysteresis, young)
+    pays, what = gain_enough(current, target, cfg.hysteresis, young, cfg.tpot_slo_s)
     if state.committed == target.pools and not pays:
         pays, what = True, f"{what} (committed)"
     named = f"{cfg.hysteresis:g}"
