@@ -1078,6 +1078,35 @@ def test_prompts_queued_for_prefill_stand_for_a_new_mix_the_window_has_not_seen_
     assert "answers of 6 as a past window's of such prompts" in short_answers.reason
 
 
+def test_a_move_decided_on_another_kind_of_answers_than_the_queue_stands_for_holds_nothing():
+    """A worker moved prefill -> decode 5 s ago, decided on chat answers (80 tokens); now 30 code prompts of 450 tokens
+    queue, and a past window of such prompts had 6-token answers: the reversal cooldown, which holds a layout against
+    the noise of one mix, yields to the new one, and decode workers go to prefill. The same move decided on code-like
+    answers, a move by hand (no answers known), or no queue standing for the mix, and the cooldown holds."""
+    chat = Traffic(arrival_rate=3.0, mean_input_tokens=80, mean_output_tokens=80, recent_arrival_rate=3.0,
+                   input_tokens_deciles=[40, 50, 60, 70, 80, 85, 90, 100, 110, 130],
+                   past_mixes=[[80.0, 80.0], [350.0, 5.0], [600.0, 9.0], [420.0, 6.0]])
+    c = cfg(ttft_slo_s=20.0)  # the queue is no backlog past the SLO: not overloaded, where the cooldown yields anyway
+    backlog = layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15})
+
+    def after_a_move(answers, loads=backlog):
+        state = PlannerState()
+        state.started(NOW - 8, "http://prefill9", PREFILL, DECODE, answers)
+        state.finished(NOW - 5, "http://prefill9", True, c)
+        assert state.flows[PREFILL, DECODE].answers == answers  # kept from the decision through the move's end
+        return decide(NOW, c, state, loads, chat, COST)
+
+    d = after_a_move(80.0)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and "overloaded" not in d.reason, d.reason
+    assert d.current.capacity > 0 and d.answers == 6.0 and "answers of 6 as a past window's of such prompts" in d.reason
+    for answers in (7.0, None):
+        held = after_a_move(answers)
+        assert held.kind == "hold" and "cooldown after a move prefill->decode" in held.reason, held.reason
+        assert held.target.pools[PREFILL] > 2
+    no_queue = after_a_move(80.0, layout(2, 6, 0, prefill={"queued_prefill_tokens": 5 * 450, "waiting_reqs": 5}))
+    assert "as queued" not in no_queue.reason and (no_queue.kind == "hold" or no_queue.dst != PREFILL), no_queue.reason
+
+
 def test_a_window_of_the_own_kind_vetoes_the_queued_lookup_only_as_near_as_the_queue_can_tell():
     """A long queue's mean prompt lies within a few percent of its kind's windows' by sampling alone, a short one's
     within tens of percent: windows of the window's own kind further off than that do not veto another kind's

@@ -27,7 +27,9 @@ It never:
 - moves a worker back the way a move went inside the cooldown after that move started or
   ended (no move into a pool that lost a worker, nor out of one that gained a worker, in the
   last `cooldown_s`), nor moves a worker again inside its own cooldown, unless overloaded (the
-  layout it heads for misses the SLOs at every rate, and the target meets them at some rate);
+  layout it heads for misses the SLOs at every rate, and the target meets them at some rate); the
+  reversal cooldown also yields where the queued prompts stand for another kind of answers than the
+  move was decided on (`PlannerState.reversal`);
 - starts a move with `max_concurrent_moves` moves already in flight;
 - shrinks the prefill or the decode pool below `min_per_pool` workers (the null pool may empty);
 - leaves no usable path, also while the worker moves (it serves no pool until it lands): with no null
@@ -47,7 +49,7 @@ from typing import Any, Iterable, Optional
 import msgspec
 
 from tidal.planner.predict import NEVER, CostPredictor, ObservedPredictor, PoolLoad
-from tidal.planner.queued import queued_mix
+from tidal.planner.queued import queued_mix, same_kind
 from tidal.planner.rank import NEAR_TIE, backlog_key, best_of, better, meets_tpot, near, recovers
 from tidal.planner.schema import (
     DECODE,
@@ -83,10 +85,12 @@ class WorkerMemory:
 
 @dataclasses.dataclass
 class Flow:
-    """The latest move from one mode to another: when it started or ended."""
+    """The latest move from one mode to another: when it started or ended, and the mean answer of the traffic it
+    was decided on (None: unknown, a move by hand)."""
     src: str
     dst: str
     at: float
+    answers: Optional[float] = None
 
 
 class PlannerState:
@@ -101,20 +105,22 @@ class PlannerState:
     def memory(self, url: str) -> WorkerMemory:
         return self.workers.setdefault(url, WorkerMemory())
 
-    def _touch(self, now: float, url: str, src: str, dst: str) -> None:
+    def _touch(self, now: float, url: str, src: str, dst: str, answers: Optional[float]) -> None:
         self.memory(url).last_move_at = now
-        self.flows[src, dst] = Flow(src, dst, now)
+        self.flows[src, dst] = Flow(src, dst, now, answers)
 
-    def started(self, now: float, url: str, src: str, dst: str) -> None:
+    def started(self, now: float, url: str, src: str, dst: str, answers: Optional[float] = None) -> None:
+        """A move began; `answers`: the mean answer of the traffic it was decided on (`Decision.answers`)."""
         self.version += 1
         self.in_flight[url] = (src, dst)
-        self._touch(now, url, src, dst)
+        self._touch(now, url, src, dst, answers)
 
     def finished(self, now: float, url: str, ok: bool, cfg: PlannerConfig) -> None:
         self.version += 1
         src, dst = self.in_flight.pop(url, ("", ""))
         if src:
-            self._touch(now, url, src, dst)
+            flow = self.flows.get((src, dst))
+            self._touch(now, url, src, dst, flow.answers if flow is not None else None)
         m = self.memory(url)
         m.last_move_at = now
         if ok:
@@ -127,10 +133,18 @@ class PlannerState:
         """Seconds until no direction is blocked as a reversal any more."""
         return max([0.0] + [f.at + cfg.cooldown_s - now for f in self.flows.values()])
 
-    def reversal(self, now: float, src: str, dst: str, cfg: PlannerConfig) -> str:
+    def reversal(self, now: float, src: str, dst: str, cfg: PlannerConfig,
+                 queued_answers: Optional[float] = None) -> str:
         """Why src -> dst would undo a recent move ("" when it would not): it takes a worker out of a
-        pool that gained one, or puts one into a pool that lost one, inside the cooldown."""
+        pool that gained one, or puts one into a pool that lost one, inside the cooldown. A move decided on
+        another kind of answers than `queued_answers` (those of the mix the queued prompts stand for,
+        `queued_mix`) blocks nothing: the cooldown holds a layout against the noise of one mix, and the queue
+        shows another (the even mix at 64 instances at TTFT 16 s, rate scale 28.22: at t = 365 s, in the last
+        lull of a conversation phase, 8 workers moved to decode; at 370 s 593 code prompts waited, and the
+        cooldown held 35:29 against 61:3 until 390 s, while the arrivals of t = 375-435 s met 0.25-0.70)."""
         for f in self.flows.values():
+            if queued_answers is not None and f.answers is not None and not same_kind(queued_answers, f.answers):
+                continue
             left = f.at + cfg.cooldown_s - now
             if left > 0 and (f.dst == src or f.src == dst):
                 return f"cooldown after a move {f.src}->{f.dst}, {left:.1f} s left"
@@ -406,9 +420,11 @@ def heading_pays(cfg: PlannerConfig, state: PlannerState, current: Prediction, t
 
 
 def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[WorkerLoad],
-               predictor: Any, load: PoolLoad, traffic: Traffic, overloaded: bool = False) -> list[Candidate]:
+               predictor: Any, load: PoolLoad, traffic: Traffic, overloaded: bool = False,
+               queued_answers: Optional[float] = None) -> list[Candidate]:
     """Every single move, each predicted in the layout the cluster heads for; the fastest workers to
-    drain first (they win ties). `overloaded`: the reversal cooldown yields."""
+    drain first (they win ties). `overloaded`: the reversal cooldown yields; `queued_answers`: see
+    `PlannerState.reversal`."""
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
@@ -419,7 +435,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
             if dst == w.mode:
                 continue
             reason = (blocked or layout_problem(pools, w.mode, dst, cfg.min_per_pool)
-                      or ("" if overloaded else state.reversal(now, w.mode, dst, cfg)))
+                      or ("" if overloaded else state.reversal(now, w.mode, dst, cfg, queued_answers)))
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = rated(predictor, after_move(heading, w.mode, dst), load, traffic)
             out.append(Candidate(url=w.url, src=w.mode, dst=dst, legal=not reason, reason=reason,
@@ -453,6 +469,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "static", "planner is static")
     # the prompts waiting on a worker that moves are still arrivals of the mix: a move does not change what arrived
     traffic, queued_note = queued_mix(PoolLoad(loads), traffic)
+    queued_answers = traffic.mean_output_tokens if queued_note else None
     loads = [w for w in loads if w.url not in state.in_flight]  # a moving worker serves no pool
     pools = pool_counts(loads)
     heading = heading_for(pools, state)
@@ -463,7 +480,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
         return _hold(now, "no_observations", "no --planner-profile, and the router has not yet timed a request "
                      "(a stream by its tokens, a whole answer by the server's meta_info or Server-Timing) on "
                      "either path")
-    cands = candidates(now, cfg, state, loads, predictor, load, traffic)
+    cands = candidates(now, cfg, state, loads, predictor, load, traffic, queued_answers=queued_answers)
     if traffic.arrival_rate <= 0:
         return _hold(now, "no_arrivals", "no arrivals in the window", current, cands)
     if cost is not None and traffic.mean_input_tokens <= 0:
@@ -482,7 +499,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     # burst): it serves a share of the requests, the heading layout none
     overloaded = current.capacity == 0 and target.capacity > 0
     if overloaded:
-        cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True)
+        cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True,
+                           queued_answers=queued_answers)
     pays, what, hysteresis = heading_pays(cfg, state, current, target, traffic)
     why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
            + queued_note)
@@ -503,6 +521,7 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     # advise: the move reported, not started (callers start only a "move"); the next round decides from the same pools
     return Decision(at=now, kind="advise" if cfg.mode == "advise" else "move", url=best.url, src=best.src,
                     dst=best.dst, current=current, best=best, candidates=cands, target=target,
+                    answers=traffic.mean_output_tokens,
                     reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
                            f"{best.src}->{best.dst}")
 

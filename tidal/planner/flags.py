@@ -37,7 +37,9 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
                    help=f"seconds between planner decisions, at least {MIN_INTERVAL_S:g} (default: {d.interval_s:g})")
     g.add_argument("--planner-cooldown-s", type=float, default=d.cooldown_s,
                    help=f"for this long after a move starts or ends, no move undoes it: none out of the pool it "
-                        f"grew nor into the pool it shrank; moves the same way go on (default: {d.cooldown_s:g})")
+                        f"grew nor into the pool it shrank; moves the same way go on. It yields when overloaded, "
+                        f"and when the prompts queued for prefill show another kind of mix than the move was "
+                        f"decided on (default: {d.cooldown_s:g})")
     g.add_argument("--planner-worker-cooldown-s", type=float, default=None,
                    help="a moved worker does not move again for this long (default: 3x --planner-cooldown-s)")
     g.add_argument("--planner-min-per-pool", type=int, default=d.min_per_pool,

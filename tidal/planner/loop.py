@@ -153,7 +153,7 @@ class PlannerLoop:
             self._record(d, traffic)
             if d.kind != "move":
                 return d
-            self.state.started(now, d.url, d.src, d.dst)
+            self.state.started(now, d.url, d.src, d.dst, d.answers)
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)

@@ -24,6 +24,11 @@ SAMPLING_Z = 2.0
 SAME_ANSWERS = 3.0
 
 
+def same_kind(answer: float, other: float) -> bool:
+    """Whether two mean answers, both known, are of one kind of request (within SAME_ANSWERS of each other)."""
+    return answer > 0 and other > 0 and abs(math.log(answer / other)) <= math.log(SAME_ANSWERS)
+
+
 def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
     are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
@@ -94,9 +99,6 @@ def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: fl
     tokens a window) a heavy-tailed queue of the window's own mix lands near the other kind's prompts. The radius is
     how far the queue's mean may lie from its kind's windows by sampling alone (`sampling_radius`): a long queue far
     from every window of the window's kind is another mix."""
-    def own_kind(answer: float) -> bool:
-        return window_answer > 0 and answer > 0 and abs(math.log(answer / window_answer)) <= math.log(SAME_ANSWERS)
-
     best = None
     for seen_prompt, answer in past_mixes:
         if seen_prompt <= 0:
@@ -104,8 +106,8 @@ def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: fl
         off = abs(math.log(prompt / seen_prompt))
         if off >= math.log(QUEUED_SHIFT):
             continue
-        if own_kind(answer) and off < math.log(veto_radius):
+        if same_kind(answer, window_answer) and off < math.log(veto_radius):
             return None
         if best is None or off < best[0]:
             best = (off, answer)
-    return None if best is None or own_kind(best[1]) else best[1]
+    return None if best is None or same_kind(best[1], window_answer) else best[1]

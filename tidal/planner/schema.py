@@ -111,6 +111,7 @@ class Decision(msgspec.Struct, kw_only=True):
     candidates: list[Candidate] = []
     target: Optional[Prediction] = None  # the best layout found, which the moves head for
     outcome: str = ""  # for moves, once done: "ok" or "failed: ..."
+    answers: Optional[float] = None  # a move's: the mean answer of the traffic it was decided on
 
 
 class PlannerConfig(msgspec.Struct, kw_only=True):

@@ -391,7 +391,7 @@ class Cluster:
             self.decisions[key] = self.decisions.get(key, 0) + 1
             if d.kind != "move":
                 break
-            self._start_move(d.url, d.dst)
+            self._start_move(d.url, d.dst, d.answers)
 
     def _phase_tick(self, _: Any) -> None:
         """Heads for the current phase's layout with every move it takes at once, the workers with the
@@ -435,10 +435,10 @@ class Cluster:
             self._stands_for[live[0]] = url
         self._start_move(url, dst)
 
-    def _start_move(self, url: str, dst: str) -> None:
+    def _start_move(self, url: str, dst: str, answers: Optional[float] = None) -> None:
         w = self.registry.get(url)
         w.switching = True
-        self.state.started(self.now, url, w.mode, dst)
+        self.state.started(self.now, url, w.mode, dst, answers)
         move = Move(worker=url, src=w.mode, dst=dst, started=self.now)
         self.moves.append(move)
         self._moving[url] = move
