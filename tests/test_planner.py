@@ -1107,6 +1107,37 @@ def test_a_move_decided_on_another_kind_of_answers_than_the_queue_stands_for_hol
     assert "as queued" not in no_queue.reason and (no_queue.kind == "hold" or no_queue.dst != PREFILL), no_queue.reason
 
 
+def test_a_queue_is_no_new_mix_where_the_newest_arrivals_prompts_are_the_windows():
+    """Traffic.recent_input_tokens: the mean prompt the prefill and null workers received over the last ANSWER_COHORT_S
+    seconds (their counters' differences between snapshots). Where it lies within QUEUED_SHIFT of the window's mean
+    prompt, short (or long) prompts queued are a biased sample of the window's mix, and the queue does not stand for
+    it; where it agrees with the queue, or is unknown, the queue stands as before."""
+    from tidal.planner.queued import queued_mix
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.window import ANSWER_COHORT_S
+
+    def counts(prompts: int, tokens: int) -> list[WorkerLoad]:
+        return [WorkerLoad(url="p0", mode=PREFILL, prompts_received=prompts, prompt_tokens_received=tokens)]
+
+    w = TrafficWindow(window_s=30.0, started_at=0.0, burst_window_s=300.0)
+    w.traffic(0.0, counts(0, 0))
+    assert w.traffic(10.0, counts(30, 30 * 500)).recent_input_tokens == pytest.approx(500)
+    assert w.traffic(15.0, counts(60, 30 * 500 + 30 * 200)).recent_input_tokens == pytest.approx(350)
+    later = 15.0 + ANSWER_COHORT_S
+    assert w.traffic(later, counts(90, 30 * 500 + 30 * 200 + 30 * 100)).recent_input_tokens == pytest.approx(100)
+    too_few = counts(95, 30 * 500 + 30 * 200 + 30 * 100 + 5 * 100)  # 5 in the last seconds, under MIN_RECEIVED_SAMPLES
+    assert w.traffic(later + ANSWER_COHORT_S, too_few).recent_input_tokens == 0.0
+
+    code = Traffic(arrival_rate=40.0, mean_input_tokens=530, mean_output_tokens=7, recent_arrival_rate=45.0,
+                   input_tokens_deciles=[20, 60, 150, 250, 340, 460, 580, 720, 1000, 1800],
+                   past_mixes=[[530.0, 7.0], [230.0, 52.0]])
+    short_queue = layout(60, 4, 0, prefill={"queued_prefill_tokens": 177, "waiting_reqs": 1})  # 60 prompts of 177
+    for recent, stands in ((528.0, False), (400.0, False), (300.0, True), (0.0, True)):
+        mixed, note = queued_mix(PoolLoad(short_queue), msgspec.structs.replace(code, recent_input_tokens=recent))
+        assert ("as queued" in note) == stands, (recent, note)
+        assert (mixed.mean_input_tokens, mixed.mean_output_tokens) == ((177, 52.0) if stands else (530, 7)), recent
+
+
 def test_a_window_of_the_own_kind_vetoes_the_queued_lookup_only_as_near_as_the_queue_can_tell():
     """A long queue's mean prompt lies within a few percent of its kind's windows' by sampling alone, a short one's
     within tens of percent: windows of the window's own kind further off than that do not veto another kind's

@@ -38,7 +38,8 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
     the window's by QUEUED_SHIFT they are the mix: the deciles scaled alike, the answers those of the past
     window whose prompts were nearest theirs (`seen_answers`), and the rate the last seconds' (the window
-    straddles the shift). The prompts are the waiting requests' own (`/get_load`'s num_waiting_prompt_tokens);
+    straddles the shift), unless the newest arrivals' prompts as the workers received them are the window's
+    (`arrivals_are_the_windows`). The prompts are the waiting requests' own (`/get_load`'s num_waiting_prompt_tokens);
     where a worker does not report them, the tokens queued for prefill stand in, a rough mean: they count the
     rest of a prompt being prefilled in chunks (not a waiting request)."""
     waiting = load.waiting[PREFILL] + load.waiting[NULL]
@@ -47,7 +48,7 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
         return traffic, ""
     prompt = queued / waiting
     ratio = prompt / traffic.mean_input_tokens
-    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT:
+    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT or arrivals_are_the_windows(traffic):
         return traffic, ""
     note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
@@ -64,6 +65,18 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     return msgspec.structs.replace(
         traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
         input_tokens_deciles=scaled(traffic.input_tokens_deciles, ratio)), note
+
+
+def arrivals_are_the_windows(traffic: Traffic) -> bool:
+    """Whether the prompts the workers received over the last seconds (`Traffic.recent_input_tokens`, where known)
+    lie within QUEUED_SHIFT of the window's mean prompt: the newest arrivals are then the window's mix, and a queue
+    that differs is a biased sample of it, not a new mix. Which prompts wait depends on the workers, not only on
+    the mix: on the even mix at 64 instances at TTFT 16 s (rate scale 29.94, t = 460 s, a lull of a code phase)
+    31 prompts of 177 tokens waited (median 56), where the last 10 s's 457 arrivals averaged 528 (median 369); a
+    conversation window's answers stood for them, and 24 workers moved to decode ahead of a code burst."""
+    recent = traffic.recent_input_tokens
+    return recent > 0 and traffic.mean_input_tokens > 0 and (
+        1 / QUEUED_SHIFT < recent / traffic.mean_input_tokens < QUEUED_SHIFT)
 
 
 def queued_prompt_tokens(load: PoolLoad) -> int:

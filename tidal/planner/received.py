@@ -51,10 +51,11 @@ class ReceivedPrompts:
         while self.received and self.received[0][0] <= now - self.window_s:
             self.received.popleft()
 
-    def mean_prompt(self, min_samples: int = MIN_RECEIVED_SAMPLES) -> Optional[float]:
-        """The mean prompt of the requests received over the window; None with fewer than `min_samples`, or when
-        a prefill or null worker does not count them."""
-        prompts = sum(n for _, n, _ in self.received)
+    def mean_prompt(self, min_samples: int = MIN_RECEIVED_SAMPLES, since: float = float("-inf")) -> Optional[float]:
+        """The mean prompt of the requests received over the window (those observed after `since`); None with
+        fewer than `min_samples`, or when a prefill or null worker does not count them."""
+        recent = [(n, t) for at, n, t in self.received if at > since]
+        prompts = sum(n for n, _ in recent)
         if not self.every_worker_reports or prompts < min_samples:
             return None
-        return sum(t for _, _, t in self.received) / prompts
+        return sum(t for _, t in recent) / prompts

@@ -55,6 +55,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     # arrivals a second over the last ANSWER_COHORT_S (10) seconds: the newest mix's rate, where the window straddles
     # a shift (queued.queued_mix)
     recent_arrival_rate: float = 0.0
+    # the mean prompt of the requests the workers received over the last ANSWER_COHORT_S seconds (received.py); 0:
+    # unknown (fewer than MIN_RECEIVED_SAMPLES, or a worker that does not count them)
+    recent_input_tokens: float = 0.0
     # the mixes of past windows, newest first: [mean prompt, mean answer] of a window's finished requests, one per
     # window length, kept across shifts of the mix. The planner takes the nearest in prompt length for the answers of
     # prompts it sees queued and the window has not seen finish (queued.queued_mix)

@@ -346,6 +346,7 @@ class TrafficWindow:
                        completed=len(done),
                        span_s=min(self.window_s, now - self.started_at),
                        recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
+                       recent_input_tokens=self.received.mean_prompt(since=now - ANSWER_COHORT_S) or 0.0,
                        past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
