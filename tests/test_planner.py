@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import random
 
 import msgspec
@@ -368,12 +369,13 @@ def test_a_turn_to_longer_answers_shows_in_the_newest_arrivals_before_they_finis
     assert ANSWER_COHORT_S == 10.0 and ANSWER_SHIFT == 1.5
     turned, held = window(open_tokens=40)
     assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5 + 0.5 * 36)  # Kaplan-Meier over the cohort
+    assert turned.traffic(70.0).recent_answers  # the newest arrivals' own answers
     steady, held2 = window(open_tokens=6)  # open, but not longer enough than the finished: the window's
-    assert steady.traffic(70.0).mean_output_tokens == pytest.approx(5)
+    assert steady.traffic(70.0).mean_output_tokens == pytest.approx(5) and not steady.traffic(70.0).recent_answers
     few, held3 = window(open_tokens=40, cohort_finished=19)  # too few of the cohort finished to tell
-    assert few.traffic(70.0).mean_output_tokens == pytest.approx(5)
+    assert few.traffic(70.0).mean_output_tokens == pytest.approx(5) and not few.traffic(70.0).recent_answers
     del held[:]  # the long ones fail: nothing open says longer
-    assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5)
+    assert turned.traffic(70.0).mean_output_tokens == pytest.approx(5) and not turned.traffic(70.0).recent_answers
 
 
 def test_the_first_windows_prompts_are_those_the_workers_received_not_the_first_to_finish():
@@ -1107,6 +1109,38 @@ def test_a_move_decided_on_another_kind_of_answers_than_the_queue_stands_for_hol
     assert "as queued" not in no_queue.reason and (no_queue.kind == "hold" or no_queue.dst != PREFILL), no_queue.reason
 
 
+def test_a_workers_own_cooldown_yields_to_a_queue_of_another_kind_than_its_move_was_decided_on():
+    """Every decode worker moved prefill -> decode 40 s ago (past the reversal cooldown, inside each worker's own),
+    decided on chat answers (80 tokens); now code prompts queue, and a past window of such prompts had 6-token
+    answers: as the reversal cooldown (above), each worker's own cooldown, which keeps one worker from flapping on
+    the noise of one mix, yields to the new mix. The even mix at 64 instances at TTFT 16 s, rate scale 31.765: at
+    t = 370 s 629 code prompts waited after a conversation phase, and the workers moved to decode over it held
+    36:28 at 54:10 against 61:3 (the arrivals of t = 390-435 s met 0.19-0.42). Decided on code-like answers, by
+    hand (answers unknown), or with no queue standing for the mix, the worker cooldown holds."""
+    chat = Traffic(arrival_rate=3.0, mean_input_tokens=80, mean_output_tokens=80, recent_arrival_rate=3.0,
+                   input_tokens_deciles=[40, 50, 60, 70, 80, 85, 90, 100, 110, 130],
+                   past_mixes=[[80.0, 80.0], [350.0, 5.0], [600.0, 9.0], [420.0, 6.0]])
+    c = cfg(ttft_slo_s=20.0)  # no backlog past the SLO: not overloaded, where the worker cooldown yields anyway
+    assert c.cooldown_s < 40 < c.per_worker_cooldown_s
+    backlog = layout(2, 6, 0, prefill={"queued_prefill_tokens": 15 * 450, "waiting_reqs": 15})
+
+    def after_moves(answers, loads=backlog):
+        state = PlannerState()
+        for w in loads:
+            if w.mode == DECODE:
+                state.started(NOW - 42, w.url, PREFILL, DECODE, answers)
+                state.finished(NOW - 40, w.url, True, c)
+        return decide(NOW, c, state, loads, chat, COST)
+
+    d = after_moves(80.0)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and "overloaded" not in d.reason, d.reason
+    for answers in (7.0, None):
+        held = after_moves(answers)
+        assert held.kind == "hold" and "worker cooldown" in held.reason, held.reason
+    no_queue = after_moves(80.0, layout(2, 6, 0, prefill={"queued_prefill_tokens": 5 * 450, "waiting_reqs": 5}))
+    assert "as queued" not in no_queue.reason and (no_queue.kind == "hold" or no_queue.dst != PREFILL), no_queue.reason
+
+
 def test_a_queue_is_no_new_mix_where_the_newest_arrivals_prompts_are_the_windows():
     """Traffic.recent_input_tokens: the mean prompt the prefill and null workers received over the last ANSWER_COHORT_S
     seconds (their counters' differences between snapshots). Where it lies within QUEUED_SHIFT of the window's mean
@@ -1136,6 +1170,41 @@ def test_a_queue_is_no_new_mix_where_the_newest_arrivals_prompts_are_the_windows
         mixed, note = queued_mix(PoolLoad(short_queue), msgspec.structs.replace(code, recent_input_tokens=recent))
         assert ("as queued" in note) == stands, (recent, note)
         assert (mixed.mean_input_tokens, mixed.mean_output_tokens) == ((177, 52.0) if stands else (530, 7)), recent
+
+
+def test_the_newest_arrivals_answers_stand_for_the_queued_prompts_where_the_window_has_them():
+    """Where the window's mean answer is the last ANSWER_COHORT_S seconds' arrivals' (`Traffic.recent_answers`: they
+    say ANSWER_SHIFT times the finished requests' or more), those answers are the newest mix's own, seen, and the
+    prompts queued with them (the newest arrivals too) keep them: a past window's answers are a guess by prompt
+    length. The even mix at 64 instances, rate scale 27.401174, t = 190 s, 10 s into the first conversation phase
+    (the tree of 7d63935): 126 prompts of 313 tokens queued after a code window of 514, the cohort said 42-token
+    answers, and with no conversation window yet in the past mixes a code lull's 5-token answers stood for them: the
+    planner headed for 58:6 and moved 2 workers to decode, reaching the conversation's layout only at t = 205 s.
+    Where the answers are the finished requests' the lookup stands as before."""
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.queued import queued_mix
+
+    turning = Traffic(arrival_rate=86.4, mean_input_tokens=514, mean_output_tokens=42.3, recent_arrival_rate=66.8,
+                      input_tokens_deciles=[30, 90, 170, 260, 350, 450, 570, 720, 950, 1500],
+                      past_mixes=[[520.0, 6.8], [313.0, 5.0], [495.0, 6.9]], recent_answers=True)
+    queue = layout(60, 4, 0, prefill={"waiting_reqs": 2, "queued_prefill_tokens": 2 * 313,
+                                      "waiting_prompt_tokens": 2 * 313})  # 120 prompts of 313 tokens
+    mixed, note = queued_mix(PoolLoad(queue), turning)
+    assert (mixed.mean_input_tokens, mixed.mean_output_tokens, mixed.arrival_rate) == (313, 42.3, 66.8), note
+    assert "as queued" in note and "past window" not in note
+    looked_up, note = queued_mix(PoolLoad(queue), msgspec.structs.replace(turning, recent_answers=False))
+    assert (looked_up.mean_input_tokens, looked_up.mean_output_tokens) == (313, 5.0), note
+    assert "answers of 5 as a past window's of such prompts" in note
+
+    cfg = PlannerConfig(mode="sla", ttft_slo_s=8.0, tpot_slo_s=0.2, max_concurrent_moves=16)
+    import tidal.profile
+
+    cost = CostModel.from_file(os.path.join(os.path.dirname(tidal.profile.__file__), "data",
+                                            "smollm2_cpu_2core_avx512.json"))
+    seen = decide(190.0, cfg, PlannerState(), queue, turning, cost)
+    guessed = decide(190.0, cfg, PlannerState(), queue, msgspec.structs.replace(turning, recent_answers=False), cost)
+    assert seen.kind == "move" and (seen.src, seen.dst) == (PREFILL, DECODE), seen.reason
+    assert seen.target.pools[DECODE] >= guessed.target.pools[DECODE] + 8, (seen.reason, guessed.reason)
 
 
 def test_a_window_of_the_own_kind_vetoes_the_queued_lookup_only_as_near_as_the_queue_can_tell():

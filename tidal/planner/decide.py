@@ -79,6 +79,7 @@ CAPACITY_STEPS = 10  # bisection steps in log2: about 1% precision
 @dataclasses.dataclass
 class WorkerMemory:
     last_move_at: Optional[float] = None
+    last_move_answers: Optional[float] = None  # the mean answer its last move was decided on (None: unknown)
     failures: int = 0  # consecutive failed moves
     retry_at: float = float("-inf")
 
@@ -106,7 +107,8 @@ class PlannerState:
         return self.workers.setdefault(url, WorkerMemory())
 
     def _touch(self, now: float, url: str, src: str, dst: str, answers: Optional[float]) -> None:
-        self.memory(url).last_move_at = now
+        m = self.memory(url)
+        m.last_move_at, m.last_move_answers = now, answers
         self.flows[src, dst] = Flow(src, dst, now, answers)
 
     def started(self, now: float, url: str, src: str, dst: str, answers: Optional[float] = None) -> None:
@@ -150,7 +152,8 @@ class PlannerState:
                 return f"cooldown after a move {f.src}->{f.dst}, {left:.1f} s left"
         return ""
 
-    def worker_blocked(self, now: float, url: str, cfg: PlannerConfig, overloaded: bool = False) -> str:
+    def worker_blocked(self, now: float, url: str, cfg: PlannerConfig, overloaded: bool = False,
+                       queued_answers: Optional[float] = None) -> str:
         """Why this worker may not move now ("" when it may). `overloaded`: its own cooldown yields (a failed
         move's backoff does not)."""
         if url in self.in_flight:
@@ -160,7 +163,10 @@ class PlannerState:
             return ""
         if now < m.retry_at:
             return f"backoff after {m.failures} failed move(s), {m.retry_at - now:.1f} s left"
-        if not overloaded and m.last_move_at is not None and now < m.last_move_at + cfg.per_worker_cooldown_s:
+        another_mix = (queued_answers is not None and m.last_move_answers is not None
+                       and not same_kind(queued_answers, m.last_move_answers))
+        if (not overloaded and not another_mix and m.last_move_at is not None
+                and now < m.last_move_at + cfg.per_worker_cooldown_s):
             return f"worker cooldown, {m.last_move_at + cfg.per_worker_cooldown_s - now:.1f} s left"
         return ""
 
@@ -430,7 +436,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
     predictions: dict[tuple[str, str], Optional[Prediction]] = {}
     out = []
     for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
-        blocked = state.worker_blocked(now, w.url, cfg, overloaded)
+        blocked = state.worker_blocked(now, w.url, cfg, overloaded, queued_answers)
         for dst in MODES:
             if dst == w.mode:
                 continue

@@ -53,7 +53,8 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
             f"the window's {traffic.mean_input_tokens:.0f})")
     veto = sampling_radius(traffic.input_tokens_deciles, waiting)
-    answers = seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens, veto)
+    answers = None if traffic.recent_answers else seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens,
+                                                                veto)
     if answers is None:
         answers = traffic.mean_output_tokens
     else:

@@ -58,6 +58,9 @@ class Traffic(msgspec.Struct, kw_only=True):
     # the mean prompt of the requests the workers received over the last ANSWER_COHORT_S seconds (received.py); 0:
     # unknown (fewer than MIN_RECEIVED_SAMPLES, or a worker that does not count them)
     recent_input_tokens: float = 0.0
+    # mean_output_tokens is the answers of the last ANSWER_COHORT_S seconds' arrivals (window._mean_answer: they say
+    # ANSWER_SHIFT times the finished requests' or more, or it is the router's first window): the newest mix's own
+    recent_answers: bool = False
     # the mixes of past windows, newest first: [mean prompt, mean answer] of a window's finished requests, one per
     # window length, kept across shifts of the mix. The planner takes the nearest in prompt length for the answers of
     # prompts it sees queued and the window has not seen finish (queued.queued_mix)

@@ -332,7 +332,7 @@ class TrafficWindow:
         rate = self._rate(now, self.window_s)
         prompts = [p for p, _ in lengths if p > 0]  # 0: not reported (an OpenAI stream without usage)
         mean_prompt, prompt_deciles = self._prompts(now, prompts)
-        mean_answer = self._mean_answer(now, _mean([c for _, c in lengths]))
+        mean_answer, recent_answers = self._mean_answer(now, _mean([c for _, c in lengths]))
         peak = peak_ratio(self.arrival_history, self.peak_span_s, over_rate=rate)
         recalled = self._recalled_peak(now, mean_prompt, mean_answer)
         if recalled and rate > 0:
@@ -347,6 +347,7 @@ class TrafficWindow:
                        span_s=min(self.window_s, now - self.started_at),
                        recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
                        recent_input_tokens=self.received.mean_prompt(since=now - ANSWER_COHORT_S) or 0.0,
+                       recent_answers=recent_answers,
                        past_mixes=self._remember_mix(now, [(p, c) for p, c in own if p > 0]),
                        ttft_s={k: _mean(v) for k, v in ttft.items()},
                        tpot_s={k: _mean(v) for k, v in tpot.items()})
@@ -382,10 +383,10 @@ class TrafficWindow:
             self.past_mixes.append((now, _mean([p for p, _ in pairs]), _mean([c for _, c in pairs])))
         return [[prompt, answer] for _, prompt, answer in reversed(self.past_mixes)]
 
-    def _mean_answer(self, now: float, finished_mean: float) -> float:
-        """The mean answer: `finished_mean` (the requests that finished), or that of a cohort of arrivals, those
-        still open counting as longer than their tokens so far (`censored_mean`), once MIN_COHORT_SAMPLES of
-        them have finished: every arrival over the router's first window (the cluster filling up), and later
+    def _mean_answer(self, now: float, finished_mean: float) -> tuple[float, bool]:
+        """The mean answer, and whether it is a cohort's: `finished_mean` (the requests that finished), or that of
+        a cohort of arrivals, those still open counting as longer than their tokens so far (`censored_mean`), once
+        MIN_COHORT_SAMPLES of them have finished: every arrival over the router's first window (the cluster filling up), and later
         the last ANSWER_COHORT_S seconds' whenever their mean is ANSWER_SHIFT times `finished_mean` or more
         (the mix turned to longer answers).
         The answers that finish first are the shortest: early on, 64 instances on the conversation trace saw
@@ -400,11 +401,11 @@ class TrafficWindow:
         finished = [o.completion_tokens for _, o in self.completions
                     if o.completion_tokens > 0 and o.arrived_at is not None and o.arrived_at > edge]
         if len(finished) < MIN_COHORT_SAMPLES:
-            return finished_mean
+            return finished_mean, False
         cohort = censored_mean(finished, [t.tokens for t in self.open if t.arrived_at > edge])
         if first or cohort >= ANSWER_SHIFT * finished_mean:
-            return cohort
-        return finished_mean
+            return cohort, True
+        return finished_mean, False
 
 
 def censored_mean(finished: list[int], unfinished: list[int]) -> float:
