@@ -99,6 +99,11 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="fraction of requests meeting both SLOs that counts as good (default: 0.9, DistServe's)")
     g.add_argument("--rate-tolerance", type=float, default=0.03,
                    help="the rate multipliers searched are powers of 1 + this: the search's precision (default: 0.03)")
+    g.add_argument("--rate-samples", type=int, default=1,
+                   help="each probe pools this many runs at rates spread evenly over 0.5%% around it (one "
+                        "attainment over all their requests): near its goodput a planner's attainment moves by "
+                        "tens of points with a change of the rate as small as 1e-9, so one run is one sample of a "
+                        "noisy curve (default: 1, one run at the probe's rate)")
     g.add_argument("--split-step", type=int, default=1,
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
@@ -157,7 +162,8 @@ def check_args(ns: argparse.Namespace) -> None:
     for flag, value in (("--rate-tolerance", ns.rate_tolerance), ("--tolerance", ns.tolerance)):
         if not value > 0:
             fail(f"{flag} must be > 0")
-    for flag, value in (("--split-step", ns.split_step), ("--max-prefill-tokens", ns.max_prefill_tokens)):
+    for flag, value in (("--split-step", ns.split_step), ("--max-prefill-tokens", ns.max_prefill_tokens),
+                        ("--rate-samples", ns.rate_samples)):
         if value < 1:
             fail(f"{flag} must be >= 1")
     try:

@@ -13,12 +13,22 @@ from typing import Any, Callable, Optional
 
 from tidal.sim.cli import (fail, layout, layout_names, phase_layouts, planner_flags, simulate, static_layouts,
                            workload_spec)
-from tidal.sim.report import summary
 from tidal.sim.workload import make_workload, virtual_span
 
 MAX_DOUBLINGS = 12
+# --rate-samples: the rates a probe pools span this fraction of its rate, centred on it (a sixth of the 3% grid
+# step: the same rate for the search, and runs that share no decision once the planner's thresholds split them)
+RATE_SAMPLE_SPAN = 0.005
 # after bisecting, the grid rates above the highest that attains are probed until this many in a row do not
 SCAN_ABOVE = 3
+
+
+def sample_rates(scale: float, samples: int) -> list[float]:
+    """The rates a probe at `scale` pools: `scale` alone for one sample, else `samples` rates spread evenly over
+    RATE_SAMPLE_SPAN of it, centred on it."""
+    if samples <= 1:
+        return [scale]
+    return [scale * (1 + RATE_SAMPLE_SPAN * (j / (samples - 1) - 0.5)) for j in range(samples)]
 
 
 def search_rate(attains: Callable[[float], bool], start: float, tolerance: float,
@@ -81,14 +91,29 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
     largest_batch = [0]  # over every probe: what the extrapolation warning tests
 
     def attains(scale: float) -> bool:
-        c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost,
-                     stop_after_miss=1 - ns.target_attainment)
-        largest_batch[0] = max(largest_batch[0], c.largest_decode_batch)
-        s = summary(c, virtual_span(workload_spec(ns, scale)))
-        met = s["slo_attainment"] is not None and s["slo_attainment"] >= ns.target_attainment
-        probed.append({"rate_scale": round(scale, 6), "slo_attainment": s["slo_attainment"], "met": met,
-                       "stopped_early": c.stopped_early})
-        return met
+        rates = sample_rates(scale, ns.rate_samples)
+        requests = [len(make_workload(workload_spec(ns, r))) for r in rates]
+        met = missed = 0
+        stopped = False
+        for r, n in zip(rates, requests):
+            # the misses left of those all the samples together may have, as a fraction of this run's requests
+            # (one sample: exactly 1 - target, as the engine compares it)
+            left = (1 - ns.target_attainment) * (sum(requests) / max(1, n)) - missed / max(1, n)
+            c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, r, cost, planner_cost,
+                         stop_after_miss=max(0.0, left))
+            largest_batch[0] = max(largest_batch[0], c.largest_decode_batch)
+            good = sum(1 for q in c.requests if q.outcome == "finished" and c.meets_slo(q))
+            met, missed = met + good, missed + len(c.requests) - good
+            if c.stopped_early:  # past the misses allowed: the probe fails whatever the other samples say
+                stopped = True
+                break
+        attainment = round(met / sum(requests), 6) if sum(requests) else None
+        ok = not stopped and attainment is not None and attainment >= ns.target_attainment
+        probe = {"rate_scale": round(scale, 6), "slo_attainment": attainment, "met": ok, "stopped_early": stopped}
+        if len(rates) > 1:
+            probe["samples"] = len(rates)
+        probed.append(probe)
+        return ok
 
     t0 = time.perf_counter()
     scale = search_rate(attains, start, ns.rate_tolerance)
@@ -180,7 +205,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
             "length_scale": ns.length_scale,
             "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
-            "planner_flags": planner_flags(ns),
+            "rate_samples": ns.rate_samples, "planner_flags": planner_flags(ns),
             "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}
 
 
