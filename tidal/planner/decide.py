@@ -94,6 +94,12 @@ class Flow:
     answers: Optional[float] = None
 
 
+def another_mix(queued_answers: Optional[float], decided_on: Optional[float]) -> bool:
+    """Whether the queued prompts stand for another kind of answers (`queued_mix`) than a move was decided on:
+    the cooldowns, which hold a layout against the noise of one mix, then yield. Unknown either way: no."""
+    return queued_answers is not None and decided_on is not None and not same_kind(queued_answers, decided_on)
+
+
 class PlannerState:
     def __init__(self) -> None:
         self.in_flight: dict[str, tuple[str, str]] = {}  # url -> (source mode, target mode)
@@ -145,7 +151,7 @@ class PlannerState:
         lull of a conversation phase, 8 workers moved to decode; at 370 s 593 code prompts waited, and the
         cooldown held 35:29 against 61:3 until 390 s, while the arrivals of t = 375-435 s met 0.25-0.70)."""
         for f in self.flows.values():
-            if queued_answers is not None and f.answers is not None and not same_kind(queued_answers, f.answers):
+            if another_mix(queued_answers, f.answers):
                 continue
             left = f.at + cfg.cooldown_s - now
             if left > 0 and (f.dst == src or f.src == dst):
@@ -163,9 +169,7 @@ class PlannerState:
             return ""
         if now < m.retry_at:
             return f"backoff after {m.failures} failed move(s), {m.retry_at - now:.1f} s left"
-        another_mix = (queued_answers is not None and m.last_move_answers is not None
-                       and not same_kind(queued_answers, m.last_move_answers))
-        if (not overloaded and not another_mix and m.last_move_at is not None
+        if (not overloaded and not another_mix(queued_answers, m.last_move_answers) and m.last_move_at is not None
                 and now < m.last_move_at + cfg.per_worker_cooldown_s):
             return f"worker cooldown, {m.last_move_at + cfg.per_worker_cooldown_s - now:.1f} s left"
         return ""

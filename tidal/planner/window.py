@@ -386,9 +386,9 @@ class TrafficWindow:
     def _mean_answer(self, now: float, finished_mean: float) -> tuple[float, bool]:
         """The mean answer, and whether it is a cohort's: `finished_mean` (the requests that finished), or that of
         a cohort of arrivals, those still open counting as longer than their tokens so far (`censored_mean`), once
-        MIN_COHORT_SAMPLES of them have finished: every arrival over the router's first window (the cluster filling up), and later
-        the last ANSWER_COHORT_S seconds' whenever their mean is ANSWER_SHIFT times `finished_mean` or more
-        (the mix turned to longer answers).
+        MIN_COHORT_SAMPLES of them have finished: every arrival over the router's first window (the cluster
+        filling up), and later the last ANSWER_COHORT_S seconds' whenever their mean is ANSWER_SHIFT times
+        `finished_mean` or more (the mix turned to longer answers).
         The answers that finish first are the shortest: early on, 64 instances on the conversation trace saw
         29 tokens at t = 5 s against ~60, and at a turn to longer answers the finished requests keep the old
         mix's until the new ones end (a synthetic turn from 5- to 62-token answers: 5, 7, 12 and 23 tokens at 5,

@@ -102,7 +102,7 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
             c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, r, cost, planner_cost,
                          stop_after_miss=max(0.0, left))
             largest_batch[0] = max(largest_batch[0], c.largest_decode_batch)
-            good = sum(1 for q in c.requests if q.outcome == "finished" and c.meets_slo(q))
+            good = c.ended - c.missed  # the requests that ended meeting both SLOs
             met, missed = met + good, missed + len(c.requests) - good
             if c.stopped_early:  # past the misses allowed: the probe fails whatever the other samples say
                 stopped = True
