@@ -782,3 +782,83 @@ def test_a_run_where_most_requests_miss_says_what_to_try(tmp_path, capsys):
              "8000", "--tpot-slo-ms", "200", "--rate-scale", "0.05")
     err = capsys.readouterr().err
     assert "100.0% met both SLOs" in err and "most requests missed" not in err
+
+
+# ---------------------------------------------------------------- the lookahead (a planner that sees the future)
+
+
+def test_known_misses_count_what_has_missed_or_must_by_now():
+    """One null server, 1 s per prefill chunk, 0.1 s per decode step, TTFT SLO 2 s, TPOT SLO 50 ms. A's 5000-token
+    prompt takes three chunks, so at 2.5 s it has waited past the TTFT SLO with no first token: a miss known before it
+    ends. B arrives at 2.4: not yet. At 3.25 A decodes at 0.1 s a token, past the TPOT SLO."""
+    from tidal.config import ServerArgs
+
+    cfg = SimConfig(null=1, prefill=0, decode=0, planner=PlannerConfig(ttft_slo_s=2.0, tpot_slo_s=0.05))
+    c = Cluster(cfg, flat_cost(), [TraceRequest(0.0, 5000, 4), TraceRequest(2.4, 100, 2)],
+                Limits(ServerArgs(chunked_prefill_size=2048)))
+    c.start()
+    c.run_until(1.9)
+    assert c.known_misses() == 0
+    c.run_until(2.5)
+    assert (c.missed, c.known_misses()) == (0, 1)
+    c.run_until(100)
+    assert c.ended == 2 and c.known_misses() == c.missed == 2  # A late, B's decode stalled behind A's chunks
+
+
+def test_the_lookahead_heads_for_the_split_whose_copy_missed_fewest_and_is_deterministic():
+    """Each look forks one copy of the cluster per split, runs it to the horizon headed for that split, and heads for
+    the fewest known misses (ties: the split headed for, then the nearest). A copy of a cluster already at the split
+    it tries moves nothing: at t = 0 its count is the static layout's at the horizon. The copies are processes: one
+    at a time or two at once, the looks are the same."""
+    spec = WorkloadSpec("shift", rate_scale=3.0, duration_s=120.0, phase_s=30.0, length_scale=0.25)
+    trace = make_workload(spec)
+    cost = CostModel.from_file(FIXED_PROFILE)
+    planner = PlannerConfig(ttft_slo_s=8.0, tpot_slo_s=0.2)
+    looks = []
+    for jobs in (1, 2):
+        cfg = SimConfig(prefill=2, decode=2, planner=planner, lookahead_splits=(1, 2, 3), lookahead_jobs=jobs,
+                        lookahead_interval_s=10.0, lookahead_horizon_s=20.0)
+        c = Cluster(cfg, cost, trace).run()
+        assert c.ended == len(trace) and all(r.outcome == "finished" for r in c.requests)
+        looks.append(c.lookahead)
+    assert looks[0] == looks[1] and len(looks[0]) >= 12
+    for look in looks[0]:
+        fewest = min(look["misses"].values())
+        assert look["misses"][look["split"]] == fewest
+    static = Cluster(SimConfig(prefill=2, decode=2, planner=planner), cost, trace)
+    static.start()
+    static.run_until(20.0)
+    assert looks[0][0]["t"] == 0 and looks[0][0]["misses"]["2:2"] == static.known_misses()
+    assert {look["split"] for look in looks[0]} != {"2:2"}  # the phases make it move
+
+
+def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
+    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "120", "--phase-s", "30", "--length-scale",
+             "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
+    d = sim_json(tmp_path, "look", *flags, "--lookahead", "--lookahead-splits", "1,2,3", "--rate-scale", "3")
+    assert d["config"]["planner"] == "lookahead" and d["lookahead"] and d["moves"]
+    assert all(set(look["misses"]) == {"1:3", "2:2", "3:1"} for look in d["lookahead"])
+    g = sim_json(tmp_path, "look_goodput", "goodput", *flags, "--layouts", "static,lookahead", "--rate-tolerance",
+                 "0.1")
+    look = g["results"][-1]
+    assert look["planner"] == "lookahead" and look["goodput_rps"] > 0
+    assert look["splits_at_goodput"][0][0] == 0 and look["moves_at_goodput"] >= 0
+    best = next(r for r in g["results"] if r.get("best_static"))
+    err = capsys.readouterr().err
+    assert f"lookahead from 2:2: {look['goodput_rps']:g} requests/s" in err
+    assert f"{round(look['goodput_rps'] / best['goodput_rps'], 3):g}x the best static split" in err
+
+
+@pytest.mark.parametrize("flags, says", [
+    (["--lookahead-splits", "2,x"], "--lookahead-splits: 'x' is not a number of prefill workers"),
+    (["--instances", "4", "--lookahead-splits", "4"], "--lookahead-splits: 4 leaves no prefill or no decode"),
+    (["--lookahead-horizon-s", "0"], "--lookahead-horizon-s must be > 0"),
+    (["--lookahead-interval-s", "-1"], "--lookahead-interval-s must be > 0"),
+    (["--jobs", "0"], "--jobs must be >= 1"),
+    (["--lookahead", "--planner", "sla"], "--lookahead replaces the planner in a run"),
+    (["goodput", "--lookahead"], "--lookahead is for one run"),
+    (["--lookahead", "--instances", "1", "--null", "1"], "it needs --instances 2 or more"),
+])
+def test_bad_lookahead_flags_are_one_clear_line(capsys, flags, says):
+    argv = ["sim"] + flags if flags[0] == "goodput" else ["sim", "run"] + flags
+    assert says in sim_error(capsys, argv)

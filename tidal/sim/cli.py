@@ -108,8 +108,24 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
     g.add_argument("--layouts", default="colocated,static,planner",
-                   help="which of colocated, static (the splits), planner, phases (--phase-layouts) to search "
+                   help="which of colocated, static (the splits), planner, phases (--phase-layouts), lookahead (a "
+                        "planner that sees the future, --lookahead-splits) to search "
                         "(default: colocated,static,planner)")
+    k = p.add_argument_group("lookahead: a planner that sees the future (simulator only)")
+    k.add_argument("--lookahead", action="store_true",
+                   help="run: instead of the planner, every --lookahead-interval-s head for the split whose copy of "
+                        "the cluster has missed the fewest requests --lookahead-horizon-s later (goodput: "
+                        "--layouts lookahead): what knowing the arrivals ahead is worth, paying drains and switches "
+                        "like any move")
+    k.add_argument("--lookahead-splits", default=None, metavar="P,P,...",
+                   help="the prefill counts of the splits it tries (default: every split up to 16 instances; beyond, "
+                        "every instances/16-th and the last)")
+    k.add_argument("--lookahead-interval-s", type=float, default=10.0,
+                   help="seconds between looks (default: 10)")
+    k.add_argument("--lookahead-horizon-s", type=float, default=30.0,
+                   help="how far each look runs its copies (default: 30)")
+    k.add_argument("--jobs", type=int, default=None,
+                   help="copies run at once (forked processes) (default: the CPUs this process may use)")
     p.add_argument("--phase-layouts", default=None, metavar="P:D:N,P:D:N",
                    help="instead of the planner, head for these layouts (prefill:decode:null workers) in turn, one "
                         "per workload phase (shift, azure-shift), every move at once from the phase's start: what a "
@@ -119,7 +135,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                                      "another to simulate a planner whose cost model is off)")
 
 
-LAYOUT_NAMES = ("colocated", "static", "planner", "phases")
+LAYOUT_NAMES = ("colocated", "static", "planner", "phases", "lookahead")
 
 
 def fail(message: str) -> NoReturn:
@@ -146,6 +162,25 @@ def static_layouts(ns: argparse.Namespace) -> list[tuple[int, int]]:
             fail(f"--layouts: {name!r} needs a prefill and a decode worker and at most --instances {ns.instances}")
         out.append((p, d))
     return out
+
+
+def lookahead_splits(ns: argparse.Namespace) -> tuple[int, ...]:
+    """The prefill counts of --lookahead-splits, or by default every split (beyond 16 instances every
+    instances/16-th, and the last)."""
+    n = ns.instances
+    if ns.lookahead_splits is None:
+        step = max(1, n // 16)
+        return tuple(sorted(set(range(step, n, step)) | {n - 1})) if n > 1 else ()
+    out = set()
+    for item in ns.lookahead_splits.split(","):
+        try:
+            p = int(item.strip())
+        except ValueError:
+            fail(f"--lookahead-splits: {item.strip()!r} is not a number of prefill workers")
+        if not 1 <= p < n:
+            fail(f"--lookahead-splits: {p} leaves no prefill or no decode worker of --instances {n}")
+        out.add(p)
+    return tuple(sorted(out))
 
 
 def check_args(ns: argparse.Namespace) -> None:
@@ -192,6 +227,20 @@ def check_args(ns: argparse.Namespace) -> None:
     if ns.action == "calibrate" and not os.path.isfile(ns.bench_json):
         fail(f"--bench-json {ns.bench_json}: not found")
     static_layouts(ns)
+    lookahead_splits(ns)
+    for flag, value in (("--lookahead-interval-s", ns.lookahead_interval_s),
+                        ("--lookahead-horizon-s", ns.lookahead_horizon_s)):
+        if not value > 0:
+            fail(f"{flag} must be > 0")
+    if ns.jobs is not None and ns.jobs < 1:
+        fail("--jobs must be >= 1")
+    if ns.lookahead and ns.action == "run" and (ns.planner != "static" or ns.phase_layouts):
+        fail("--lookahead replaces the planner in a run: leave --planner and --phase-layouts out")
+    if ns.lookahead and ns.action != "run":
+        fail("--lookahead is for one run; `tidal sim goodput` searches it with --layouts lookahead")
+    if ns.instances < 2 and ((ns.lookahead and ns.action == "run")
+                             or (ns.action == "goodput" and "lookahead" in layout_names(ns))):
+        fail("the lookahead tries prefill:decode splits: it needs --instances 2 or more")
     if ns.phase_layouts is not None:
         if not phase_layouts(ns):
             fail("--phase-layouts: no layout given (P:D:N,P:D:N, one per phase)")
@@ -290,14 +339,18 @@ def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
 
 def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode: str, rate_scale: float,
              cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
-    """One run; mode: static, sla (the planner) or phases (--phase-layouts)."""
+    """One run; mode: static, sla (the planner), phases (--phase-layouts) or lookahead (--lookahead-splits)."""
     schedule = phase_layouts(ns) if mode == "phases" else ()
+    look = lookahead_splits(ns) if mode == "lookahead" else ()
     spec = workload_spec(ns, rate_scale)
-    planner = msgspec.structs.replace(planner_config_from_namespace(ns), mode="static" if schedule else mode)
+    planner = msgspec.structs.replace(planner_config_from_namespace(ns),
+                                      mode="static" if schedule or look else mode)
     cfg = SimConfig(null=null, prefill=prefill, decode=decode, planner=planner, policy=ns.policy, seed=ns.seed,
                     stop_after_miss_fraction=stop_after_miss, host_cores=ns.host_cores,
                     instance_threads=cost.profile.server.torch_threads or 1, phase_layouts=schedule,
-                    phase_period_s=phase_period(spec))
+                    phase_period_s=phase_period(spec), lookahead_splits=look,
+                    lookahead_interval_s=ns.lookahead_interval_s, lookahead_horizon_s=ns.lookahead_horizon_s,
+                    lookahead_jobs=ns.jobs or len(os.sched_getaffinity(0)))
     trace = make_workload(spec)
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
@@ -305,7 +358,8 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
 def run_config(ns: argparse.Namespace) -> dict:
     k, p, d = layout(ns)
     return {"instances": ns.instances, "null": k, "prefill": p, "decode": d,
-            "planner": "phases" if ns.phase_layouts else ns.planner, "phase_layouts": ns.phase_layouts,
+            "planner": "phases" if ns.phase_layouts else "lookahead" if ns.lookahead else ns.planner,
+            "phase_layouts": ns.phase_layouts,
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
             "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
             "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True,

@@ -39,6 +39,7 @@ from tidal.router.config import RouterConfig
 from tidal.router.policies import CacheAwarePolicy, Policy, PowerOfTwoPolicy, RandomPolicy, RoundRobinPolicy, plan_route
 from tidal.router.workers import WorkerRegistry
 from tidal.sim.instance import DECODE, NULL, PREFILL, Limits, SimInstance, SimReq, Step
+from tidal.sim.lookahead import choose_split
 from tidal.sim.workload import TraceRequest
 
 MODES = (NULL, PREFILL, DECODE)
@@ -62,6 +63,12 @@ class SimConfig:
     phase_period_s: float = 0.0
     # instead of the planner: these moves, (seconds, from mode, to mode[, live worker URL]), as a live run made them
     replayed_moves: tuple[tuple, ...] = ()
+    # instead of the planner: every lookahead_interval_s, head for the split (prefill workers) of these whose copy of
+    # the cluster has missed the fewest requests lookahead_horizon_s later (copies tried lookahead_jobs at once)
+    lookahead_splits: tuple[int, ...] = ()
+    lookahead_interval_s: float = 10.0
+    lookahead_horizon_s: float = 30.0
+    lookahead_jobs: int = 1
     host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
     instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 
@@ -135,6 +142,10 @@ class Cluster:
         self._share_rate, self._share_since = 1.0, 0.0
         self._plan_pending = False
         self._stands_for: dict[str, str] = {}  # replayed moves: live worker URL -> the simulated worker
+        self._target = {NULL: cfg.null, PREFILL: cfg.prefill, DECODE: cfg.decode}  # lookahead: the split headed for
+        self._next_look = 0.0
+        self._forked = False  # a copy trying a split: it does not look ahead itself
+        self.lookahead: list[dict] = []  # lookahead: per look, when, the split chosen, each split's known misses
 
     # ------------------------------------------------------------ events
 
@@ -147,20 +158,8 @@ class Cluster:
         return max((i.largest_decode_batch for i in self.instances.values()), default=0)
 
     def run(self) -> "Cluster":
-        for r in self.requests:
-            self.at(r.arrival, self._arrive, r)
-        self._refresh_loads()
-        self._record_pools()
+        self.start()
         last = self.requests[-1].arrival if self.requests else 0.0
-        self.at(self.cfg.health_check_interval_s, self._health_tick)
-        if self.cfg.phase_layouts:
-            self.at(0.0, self._phase_tick)
-        elif self.cfg.replayed_moves:
-            for move in self.cfg.replayed_moves:
-                self.at(move[0], self._replayed_move, move)
-        elif self.cfg.planner.mode != "static":
-            self.window.baseline(self.now, pool_loads(self.registry))  # as the live loop does when it starts
-            self.at(self.cfg.planner.interval_s, self._planner_tick)
         horizon = last + self.cfg.drain_limit_s
         limit = self.cfg.stop_after_miss_fraction
         total = len(self.requests)
@@ -177,6 +176,25 @@ class Cluster:
             if not r.outcome:
                 r.outcome = "unfinished"
         return self
+
+    def start(self) -> None:
+        """The events a run starts from: every arrival, the health checks, and the planner's or the schedule's
+        first tick."""
+        for r in self.requests:
+            self.at(r.arrival, self._arrive, r)
+        self._refresh_loads()
+        self._record_pools()
+        self.at(self.cfg.health_check_interval_s, self._health_tick)
+        if self.cfg.phase_layouts:
+            self.at(0.0, self._phase_tick)
+        elif self.cfg.lookahead_splits:
+            self.at(0.0, self._lookahead_tick)
+        elif self.cfg.replayed_moves:
+            for move in self.cfg.replayed_moves:
+                self.at(move[0], self._replayed_move, move)
+        elif self.cfg.planner.mode != "static":
+            self.window.baseline(self.now, pool_loads(self.registry))  # as the live loop does when it starts
+            self.at(self.cfg.planner.interval_s, self._planner_tick)
 
     def _health_tick(self, _: Any) -> None:
         self._refresh_loads()
@@ -395,11 +413,27 @@ class Cluster:
 
     def _phase_tick(self, _: Any) -> None:
         """Heads for the current phase's layout with every move it takes at once, the workers with the
-        least to drain first: a planner that knows the phases (an upper bound), paying drains and switches
+        least to drain first: a planner that knows the phases (one layout each), paying drains and switches
         like any move."""
-        self._refresh_loads()
         k = int(self.now // self.cfg.phase_period_s) % len(self.cfg.phase_layouts)
-        target = self.cfg.phase_layouts[k]
+        self._head_for(self.cfg.phase_layouts[k])
+        self.at(self.now + self.cfg.planner.interval_s, self._phase_tick)
+
+    def _lookahead_tick(self, _: Any) -> None:
+        """Every lookahead interval: the split whose copy of the cluster has missed the fewest requests by the
+        horizon becomes the target (a planner that sees the future, paying drains and switches like any move);
+        every planner interval in between: heads for it. A copy heads for the split it tries, and looks no further."""
+        if self.now >= self._next_look and not self._forked:
+            self._refresh_loads()
+            self._target = choose_split(self)
+            self._next_look = self.now + self.cfg.lookahead_interval_s
+        self._head_for(self._target)
+        self.at(self.now + min(self.cfg.planner.interval_s, self.cfg.lookahead_interval_s), self._lookahead_tick)
+
+    def _head_for(self, target: dict) -> None:
+        """Starts every move that takes the pools toward `target` ({mode: workers}), the workers with the least to
+        drain first, none that would leave no path while it drains."""
+        self._refresh_loads()
         loads = pool_loads(self.registry)
         serving, heading = pool_counts(loads), heading_for(pool_counts(loads), self.state)
         for w in sorted(loads, key=lambda w: (drain_work(w), w.url)):
@@ -413,7 +447,31 @@ class Cluster:
             heading[w.mode] -= 1
             heading[short[0]] += 1
             self._start_move(w.url, short[0])
-        self.at(self.now + self.cfg.planner.interval_s, self._phase_tick)
+
+    def run_until(self, t: float) -> None:
+        """Every event up to virtual time t (a copy of the cluster trying a split)."""
+        while self._heap and self._heap[0][0] <= t:
+            now, _, fn, arg = heapq.heappop(self._heap)
+            self.now = now
+            fn(arg)
+
+    def known_misses(self) -> int:
+        """The requests arrived so far that have missed an SLO or will: ended without meeting both, waiting for their
+        first token past the TTFT SLO, or decoding slower than the TPOT SLO so far."""
+        ttft_slo, tpot_slo = self.cfg.planner.ttft_slo_s, self.cfg.planner.tpot_slo_s
+        out = self.missed
+        for r in self.requests:  # in arrival order
+            if r.arrival > self.now:
+                break
+            if r.outcome:
+                continue
+            if r.first_token_at is None:
+                out += self.now - r.arrival > ttft_slo
+            elif r.first_token_at - r.arrival > ttft_slo:
+                out += 1
+            elif r.generated > 1:
+                out += (self.now - r.first_token_at) / (r.generated - 1) > tpot_slo
+        return out
 
     def _replayed_move(self, move: tuple) -> None:
         """A live run's move (seconds, from mode, to mode[, live worker URL]): the simulated worker that stands

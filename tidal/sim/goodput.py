@@ -131,13 +131,24 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
         out["at_search_limit"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs up to the search's limit (rate scale "
                          f"{scale:g}); its goodput is a lower bound: give a longer --duration-s\n")
-    if lay.mode in ("sla", "phases") and scale > 0:
+    if lay.mode in ("sla", "phases", "lookahead") and scale > 0:
         c = simulate(ns, lay.null, lay.prefill, lay.decode, lay.mode, scale, cost, planner_cost)
+        if lay.mode == "lookahead":
+            out["splits_at_goodput"] = splits_headed_for(c.lookahead)
         out["moves_at_goodput"] = len(c.moves)
         out["moves_failed"] = sum(1 for m in c.moves if m.outcome != "ok")
         final = dict(c.pools[-1])
         final["since_s"] = final.pop("t")  # the pools at the end, as they were from since_s
         out["final_pools"] = final
+    return out
+
+
+def splits_headed_for(looks: list[dict]) -> list[list]:
+    """The lookahead's looks as [from second, split] where the split it heads for changes."""
+    out: list[list] = []
+    for look in looks:
+        if not out or out[-1][1] != look["split"]:
+            out.append([look["t"], look["split"]])
     return out
 
 
@@ -196,6 +207,9 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
         results.append(goodput_of(ns, Layout(f"phase layouts {ns.phase_layouts}", first["null"], first["prefill"],
                                              first["decode"], "phases"), cost, planner_cost,
                                   (best or {}).get("rate_scale") or last[0]))
+    if "lookahead" in which:
+        results.append(goodput_of(ns, Layout(f"lookahead from {p0}:{d0}", 0, p0, d0, "lookahead"), cost, planner_cost,
+                                  (best or {}).get("rate_scale") or last[0]))
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
@@ -213,12 +227,13 @@ def summary_lines(report: dict) -> list[str]:
     """The comparison at a glance, for stderr (the JSON report is long): one line per layout searched, the
     best static split marked, the planner's ratio to it."""
     out = []
+    best = next((r["goodput_rps"] for r in report["results"] if r.get("best_static")), None)
     for r in report["results"]:
         line = f"tidal sim goodput: {r['layout']}: {r['goodput_rps']:g} requests/s (rate scale {r['rate_scale']:g})"
         if r.get("best_static"):
             line += ", the best static split"
-        if r["planner"] == "sla" and report["planner_vs_best_static"] is not None:
-            line += f", {report['planner_vs_best_static']:g}x the best static split"
+        if r["planner"] in ("sla", "phases", "lookahead") and best:
+            line += f", {round(r['goodput_rps'] / best, 3):g}x the best static split"
         if "moves_at_goodput" in r:
             line += f"; {r['moves_at_goodput']} moves at its goodput ({r['moves_failed']} failed)"
         out.append(line + (" (simulated)" if r is report["results"][-1] else ""))

@@ -92,6 +92,8 @@ def report(c: Cluster, config: dict, duration_s: float, phase_s: Optional[float]
            "decisions": dict(sorted(c.decisions.items())), "end_s": round(c.now, 6)}
     if phase_s:
         out["summary"]["slo_attainment_by_phase"] = by_phase(c, phase_s, mixes, duration_s)
+    if c.cfg.lookahead_splits:
+        out["lookahead"] = c.lookahead
     return out
 
 
