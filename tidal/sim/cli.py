@@ -363,7 +363,13 @@ def run_config(ns: argparse.Namespace) -> dict:
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "profile": os.path.basename(ns.profile),
             "workload": dataclasses.asdict(workload_spec(ns)), "policy": ns.policy,
             "limits": vars(limits(ns)), "host_cores": ns.host_cores, "simulated": True,
-            "planner_flags": planner_flags(ns)}
+            "planner_flags": planner_flags(ns), "lookahead": lookahead_flags(ns) if ns.lookahead else None}
+
+
+def lookahead_flags(ns: argparse.Namespace) -> dict:
+    """What a lookahead run tried, for its report."""
+    return {"splits": list(lookahead_splits(ns)), "interval_s": ns.lookahead_interval_s,
+            "horizon_s": ns.lookahead_horizon_s}
 
 
 def planner_flags(ns: argparse.Namespace) -> dict:

@@ -11,8 +11,8 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import (fail, layout, layout_names, phase_layouts, planner_flags, simulate, static_layouts,
-                           workload_spec)
+from tidal.sim.cli import (fail, layout, layout_names, lookahead_flags, phase_layouts, planner_flags, simulate,
+                           static_layouts, workload_spec)
 from tidal.sim.workload import make_workload, virtual_span
 
 MAX_DOUBLINGS = 12
@@ -196,8 +196,8 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
         else:
             best = None
         results += statics
+    start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
     if "planner" in which:
-        start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
         results.append(goodput_of(ns, Layout(f"planner from {start_name}", ns.null, p0, d0, "sla"), cost,
                                   planner_cost, (best or {}).get("rate_scale") or last[0]))
     if "phases" in which:
@@ -208,8 +208,8 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
                                              first["decode"], "phases"), cost, planner_cost,
                                   (best or {}).get("rate_scale") or last[0]))
     if "lookahead" in which:
-        results.append(goodput_of(ns, Layout(f"lookahead from {p0}:{d0}", 0, p0, d0, "lookahead"), cost, planner_cost,
-                                  (best or {}).get("rate_scale") or last[0]))
+        results.append(goodput_of(ns, Layout(f"lookahead from {start_name}", ns.null, p0, d0, "lookahead"), cost,
+                                  planner_cost, (best or {}).get("rate_scale") or last[0]))
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
@@ -220,6 +220,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
             "profile": os.path.basename(ns.profile),
             "ttft_slo_ms": ns.ttft_slo_ms, "tpot_slo_ms": ns.tpot_slo_ms, "target_attainment": ns.target_attainment,
             "rate_samples": ns.rate_samples, "planner_flags": planner_flags(ns),
+            "lookahead": lookahead_flags(ns) if "lookahead" in which else None,
             "results": results, "best_static": best["layout"] if best else None, "planner_vs_best_static": ratio}
 
 
