@@ -280,22 +280,30 @@ def test_the_decision_is_taken_off_the_event_loop_and_again_when_a_move_lands_me
     from types import SimpleNamespace
 
     import tidal.planner.loop as planner_loop
-    from tidal.planner.schema import Decision, Traffic
+    from tidal.planner.schema import Decision, Traffic, WorkerLoad
 
-    loop = planner_loop.PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(), clock=lambda: 0.0)
+    registry = SimpleNamespace(pools={"prefill": ["http://p"], "decode": ["http://d1", "http://d2"]})
+    loop = planner_loop.PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(registry=registry), clock=lambda: 0.0)
+    monkeypatch.setattr(planner_loop, "pool_loads", lambda reg: [WorkerLoad(url=u, mode=m) for m, us in
+                                                               reg.pools.items() for u in us])
+    loop.state.started(0.0, "http://d1", "decode", "prefill")
+    loop.last_loads = planner_loop.pool_loads(registry)  # the interval's: d1 still decode as its move started
     calls = []
 
     def fake_decide(now, cfg, state, loads, traffic, cost):
         with pytest.raises(RuntimeError):
             asyncio.get_running_loop()  # not on the event loop's thread
         assert state is not loop.state
-        calls.append(state.version)
-        if len(calls) == 1:
-            loop.state.finished(now, "http://w", True, cfg)  # a move lands while the first decision runs
+        calls.append((state.version, sorted(w.url for w in loads if w.mode == "decode")))
+        if len(calls) == 1:  # d1's move lands while the first decision runs
+            registry.pools = {"prefill": ["http://p", "http://d1"], "decode": ["http://d2"]}
+            loop.state.finished(now, "http://d1", True, cfg)
         state.committed = {"prefill": len(calls), "decode": 1, "null": 0}
         return Decision(at=now, kind="hold", why="gain_too_small", reason="")
 
     monkeypatch.setattr(planner_loop, "decide", fake_decide)
     d = asyncio.run(loop._decide(0.0, Traffic()))
-    assert d.kind == "hold" and calls == [0, 1]
+    # the second decision sees d1 in the prefill pool: on the interval's pools it would count d1 as decode and out
+    # of flight, a decode worker too many
+    assert d.kind == "hold" and calls == [(1, ["http://d1", "http://d2"]), (2, ["http://d2"])]
     assert loop.state.committed == {"prefill": 2, "decode": 1, "null": 0}  # the second decision's, not the stale one

@@ -161,13 +161,17 @@ class PlannerLoop:
     async def _decide(self, now: float, traffic: Traffic) -> Decision:
         """`decide` in a thread, on a copy of the state: it predicts hundreds of layouts (~0.1 s at 16 or 64
         workers), which inline would stall every stream the router proxies. A move that started or ended
-        meanwhile (a move by hand too) makes the decision stale: it is taken again, after a few tries inline."""
+        meanwhile (a move by hand too) makes the decision stale: it is taken again, on the pools as they are
+        now, after a few tries inline. (Taken on the interval's pools instead, a landed move's worker would count
+        in its old pool and out of flight: at 1P:2D with one decode worker moved, the planner saw 1P:2D again and
+        moved the other one, leaving no decode worker.)"""
         for _ in range(DECIDE_TRIES):
             version, copy_ = self.state.version, copy.deepcopy(self.state)
             d = await asyncio.to_thread(decide, now, self.cfg, copy_, self.last_loads, traffic, self.cost)
             if self.state.version == version:
                 self.state.committed = copy_.committed
                 return d
+            self.last_loads = pool_loads(self.st.registry)  # the loads as last refreshed, in today's pools
         return decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
 
     async def _move(self, d: Decision) -> None:
