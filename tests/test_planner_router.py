@@ -307,3 +307,31 @@ def test_the_decision_is_taken_off_the_event_loop_and_again_when_a_move_lands_me
     # of flight, a decode worker too many
     assert d.kind == "hold" and calls == [(1, ["http://d1", "http://d2"]), (2, ["http://d2"])]
     assert loop.state.committed == {"prefill": 2, "decode": 1, "null": 0}  # the second decision's, not the stale one
+
+
+def test_a_move_that_would_empty_a_pool_now_is_not_started(monkeypatch):
+    """The last check before a move starts, on the registry's pools as they are: a decision that would take the last
+    decode worker (one taken on pools that moved on) is recorded, not started."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import tidal.planner.loop as planner_loop
+    from tidal.planner.schema import Decision, WorkerLoad
+    from tidal.router.metrics import RouterMetrics
+
+    registry = SimpleNamespace(pools={"prefill": ["http://p", "http://d1"], "decode": ["http://d2"]}, all=lambda: [])
+    st = SimpleNamespace(registry=registry, metrics=RouterMetrics())
+    loop = planner_loop.PlannerLoop(PlannerConfig(mode="sla"), st, clock=lambda: 0.0)
+    monkeypatch.setattr(planner_loop, "pool_loads", lambda reg: [WorkerLoad(url=u, mode=m) for m, us in
+                                                               reg.pools.items() for u in us])
+    moves = {"http://d2": "decode", "http://d1": "decode"}  # d1's: it is no longer in the decode pool
+
+    def stale(now, cfg, state, loads, traffic, cost):
+        url = next(iter(moves))
+        return Decision(at=now, kind="move", url=url, src=moves.pop(url), dst="prefill", reason="stale")
+
+    monkeypatch.setattr(planner_loop, "decide", stale)
+    for says in ("decode pool would fall below --planner-min-per-pool 1", "http://d1 is not serving in the decode"):
+        d = asyncio.run(loop.tick())
+        assert d.kind == "move" and d.outcome.startswith("not started: ") and says in d.outcome
+        assert not loop.state.in_flight and not loop._moves

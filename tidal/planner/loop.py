@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import msgspec
 
-from tidal.planner.decide import PlannerState, decide, floor_warning, heading_for, pool_counts
+from tidal.planner.decide import PlannerState, decide, floor_warning, heading_for, layout_problem, pool_counts
 from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, Traffic, WorkerLoad
 from tidal.planner.window import TrafficWindow
 from tidal.router.workers import MODES, Worker, WorkerRegistry
@@ -153,6 +153,11 @@ class PlannerLoop:
             self._record(d, traffic)
             if d.kind != "move":
                 return d
+            problem = self._problem_now(d)
+            if problem:  # a decision taken on pools that moved on: never seen since decisions retake them
+                d.outcome = f"not started: {problem}"
+                logger.error("planner: move %s %s->%s %s", d.url, d.src, d.dst, d.outcome)
+                return d
             self.state.started(now, d.url, d.src, d.dst, d.answers)
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
@@ -173,6 +178,14 @@ class PlannerLoop:
                 return d
             self.last_loads = pool_loads(self.st.registry)  # the loads as last refreshed, in today's pools
         return decide(now, self.cfg, self.state, self.last_loads, traffic, self.cost)
+
+    def _problem_now(self, d: Decision) -> str:
+        """Why the move decided may not start on the pools as the registry holds them now ("" when it may): the
+        last check that no decision, stale or not, empties a pool or leaves no path."""
+        serving = [w for w in pool_loads(self.st.registry) if w.url not in self.state.in_flight]
+        if not any(w.url == d.url and w.mode == d.src for w in serving):
+            return f"{d.url} is not serving in the {d.src} pool"
+        return layout_problem(pool_counts(serving), d.src, d.dst, self.cfg.min_per_pool)
 
     async def _move(self, d: Decision) -> None:
         try:
