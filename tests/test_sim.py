@@ -377,6 +377,14 @@ def test_bad_files_are_one_clear_line_not_a_traceback(tmp_path, capsys):
         assert message in sim_error(capsys, ["sim", "calibrate", "--bench-json", str(tmp_path / name)])
 
 
+def test_the_run_at_a_glance_counts_one_move_as_one():
+    from tidal.sim.cli import one_line
+
+    s = {"requests": 3, "finished": 3, "rejected": 0, "unfinished": 0, "slo_attainment": 1.0,
+         "ttft_ms": {"p50": 10.0}, "tpot_ms": {"p50": None}}
+    assert one_line(s, 1).endswith("TPOT p50 n/a; 1 move (simulated)") and "; 2 moves" in one_line(s, 2)
+
+
 def test_a_run_of_phase_layouts_says_so_in_its_report(tmp_path, capsys):
     d = sim_json(tmp_path, "phases", "--instances", "4", "--workload", "shift", "--phase-s", "20", "--duration-s", "60",
                  "--phase-layouts", "3:1:0,1:3:0")
@@ -832,6 +840,30 @@ def test_the_lookahead_heads_for_the_split_whose_copy_missed_fewest_and_is_deter
     assert {look["split"] for look in looks[0]} != {"2:2"}  # the phases make it move
 
 
+def test_the_recent_forecast_replays_the_last_horizon_of_arrivals_in_a_copy():
+    """--lookahead-forecast recent: a copy at t runs to t + h on the arrivals of (t - h, t] again, each shifted h
+    on, instead of the trace's own (a planner that simulates its candidates knows only the traffic it has seen)."""
+    from tidal.sim.lookahead import forecast_recent
+
+    trace = [TraceRequest(float(t), 100 + t, 2 + t) for t in range(0, 40, 3)]  # arrivals at 0, 3, ..., 39
+    c = Cluster(SimConfig(prefill=1, decode=1, planner=PlannerConfig(ttft_slo_s=8.0, tpot_slo_s=0.2)),
+                CostModel.from_file(FIXED_PROFILE), trace)
+    c.start()
+    c.run_until(20.0)
+    forecast_recent(c, 30.0)
+    ahead = [(r.arrival, r.input_len, r.output_len) for r in c.requests if r.arrival > 20.0]
+    assert ahead == [(t + 10.0, 100 + t, 2 + t) for t in (12, 15, 18)]  # not the trace's 21, 24, 27, 30
+    assert len({r.rid for r in c.requests}) == len(c.requests) and [r.arrival for r in c.requests][:7] == [
+        0.0, 3.0, 6.0, 9.0, 12.0, 15.0, 18.0]
+    c.run_until(60.0)
+    assert c.ended == len(c.requests) == 10  # the shifted arrivals come and end; the trace's later ones never come
+    c = Cluster(c.cfg, c.cost, trace)
+    c.start()
+    c.run_until(5.0)
+    forecast_recent(c, 25.0)  # a horizon longer than the past: what has arrived, repeated
+    assert [r.arrival for r in c.requests if r.arrival > 5.0] == [20.0, 23.0]
+
+
 def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
     flags = ["--instances", "4", "--workload", "shift", "--duration-s", "120", "--phase-s", "30", "--length-scale",
              "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
@@ -847,6 +879,18 @@ def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
     err = capsys.readouterr().err
     assert f"lookahead from 2:2: {look['goodput_rps']:g} requests/s" in err
     assert f"{round(look['goodput_rps'] / best['goodput_rps'], 3):g}x the best static split" in err
+    d = sim_json(tmp_path, "look_recent", *flags, "--lookahead", "--lookahead-splits", "1,3", "--rate-scale", "3",
+                 "--lookahead-forecast", "recent")
+    assert d["lookahead"] and d["config"]["lookahead"]["forecast"] == "recent"
+
+
+def test_a_costly_lookahead_is_warned_of(tmp_path, capsys):
+    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "20", "--phase-s", "10", "--rate-scale", "1"]
+    sim_json(tmp_path, "costly", *flags, "--lookahead", "--lookahead-interval-s", "1", "--lookahead-horizon-s", "40")
+    assert "the lookahead simulates each virtual second ~120 times (--lookahead-horizon-s 40 / " \
+           "--lookahead-interval-s 1 x 3 splits)" in capsys.readouterr().err
+    sim_json(tmp_path, "cheap", *flags, "--lookahead")
+    assert "warning: the lookahead" not in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, says", [
@@ -858,6 +902,8 @@ def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
     (["--lookahead", "--planner", "sla"], "--lookahead replaces the planner in a run"),
     (["goodput", "--lookahead"], "--lookahead is for one run"),
     (["--lookahead", "--instances", "1", "--null", "1"], "it needs --instances 2 or more"),
+    (["--lookahead-horizon-s", "60", "--jobs", "2"], "--lookahead-horizon-s, --jobs: no lookahead runs"),
+    (["goodput", "--lookahead-splits", "1"], "--lookahead-splits: no lookahead runs"),
 ])
 def test_bad_lookahead_flags_are_one_clear_line(capsys, flags, says):
     argv = ["sim"] + flags if flags[0] == "goodput" else ["sim", "run"] + flags

@@ -117,14 +117,18 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "the cluster has missed the fewest requests --lookahead-horizon-s later (goodput: "
                         "--layouts lookahead): what knowing the arrivals ahead is worth, paying drains and switches "
                         "like any move")
-    k.add_argument("--lookahead-splits", default=None, metavar="P,P,...",
+    k.add_argument("--lookahead-splits", default=LOOKAHEAD_ONLY["lookahead_splits"], metavar="P,P,...",
                    help="the prefill counts of the splits it tries (default: every split up to 16 instances; beyond, "
                         "every instances/16-th and the last)")
-    k.add_argument("--lookahead-interval-s", type=float, default=10.0,
+    k.add_argument("--lookahead-interval-s", type=float, default=LOOKAHEAD_ONLY["lookahead_interval_s"],
                    help="seconds between looks (default: 10)")
-    k.add_argument("--lookahead-horizon-s", type=float, default=30.0,
+    k.add_argument("--lookahead-horizon-s", type=float, default=LOOKAHEAD_ONLY["lookahead_horizon_s"],
                    help="how far each look runs its copies (default: 30)")
-    k.add_argument("--jobs", type=int, default=None,
+    k.add_argument("--lookahead-forecast", choices=("trace", "recent"), default=LOOKAHEAD_ONLY["lookahead_forecast"],
+                   help="the arrivals each copy runs on: trace (the future itself) or recent (the last horizon's "
+                        "arrivals again: a planner that simulates its candidates on the traffic it has seen) "
+                        "(default: trace)")
+    k.add_argument("--jobs", type=int, default=LOOKAHEAD_ONLY["jobs"],
                    help="copies run at once (forked processes) (default: the CPUs this process may use)")
     p.add_argument("--phase-layouts", default=None, metavar="P:D:N,P:D:N",
                    help="instead of the planner, head for these layouts (prefill:decode:null workers) in turn, one "
@@ -135,6 +139,9 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                                      "another to simulate a planner whose cost model is off)")
 
 
+# the flags only a lookahead reads, and their defaults
+LOOKAHEAD_ONLY = {"lookahead_splits": None, "lookahead_interval_s": 10.0, "lookahead_horizon_s": 30.0,
+                  "lookahead_forecast": "trace", "jobs": None}
 LAYOUT_NAMES = ("colocated", "static", "planner", "phases", "lookahead")
 
 
@@ -238,8 +245,11 @@ def check_args(ns: argparse.Namespace) -> None:
         fail("--lookahead replaces the planner in a run: leave --planner and --phase-layouts out")
     if ns.lookahead and ns.action != "run":
         fail("--lookahead is for one run; `tidal sim goodput` searches it with --layouts lookahead")
-    if ns.instances < 2 and ((ns.lookahead and ns.action == "run")
-                             or (ns.action == "goodput" and "lookahead" in layout_names(ns))):
+    looks = (ns.lookahead and ns.action == "run") or (ns.action == "goodput" and "lookahead" in layout_names(ns))
+    given = lookahead_only_flags_given(ns)
+    if given and not looks:
+        fail(f"{', '.join(given)}: no lookahead runs (add --lookahead to a run, lookahead to goodput's --layouts)")
+    if ns.instances < 2 and looks:
         fail("the lookahead tries prefill:decode splits: it needs --instances 2 or more")
     if ns.phase_layouts is not None:
         if not phase_layouts(ns):
@@ -350,7 +360,7 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
                     instance_threads=cost.profile.server.torch_threads or 1, phase_layouts=schedule,
                     phase_period_s=phase_period(spec), lookahead_splits=look,
                     lookahead_interval_s=ns.lookahead_interval_s, lookahead_horizon_s=ns.lookahead_horizon_s,
-                    lookahead_jobs=ns.jobs or len(os.sched_getaffinity(0)))
+                    lookahead_jobs=ns.jobs or len(os.sched_getaffinity(0)), lookahead_forecast=ns.lookahead_forecast)
     trace = make_workload(spec)
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
@@ -366,10 +376,15 @@ def run_config(ns: argparse.Namespace) -> dict:
             "planner_flags": planner_flags(ns), "lookahead": lookahead_flags(ns) if ns.lookahead else None}
 
 
+def lookahead_only_flags_given(ns: argparse.Namespace) -> list[str]:
+    """The flags only a lookahead reads that this command line sets."""
+    return [f"--{dest.replace('_', '-')}" for dest, default in LOOKAHEAD_ONLY.items() if getattr(ns, dest) != default]
+
+
 def lookahead_flags(ns: argparse.Namespace) -> dict:
     """What a lookahead run tried, for its report."""
     return {"splits": list(lookahead_splits(ns)), "interval_s": ns.lookahead_interval_s,
-            "horizon_s": ns.lookahead_horizon_s}
+            "horizon_s": ns.lookahead_horizon_s, "forecast": ns.lookahead_forecast}
 
 
 def planner_flags(ns: argparse.Namespace) -> dict:
@@ -439,6 +454,23 @@ def warn_floor(ns: argparse.Namespace) -> None:
             sys.stderr.write(f"warning: {warning}\n")
 
 
+# above it a lookahead's cost is warned of: each virtual second simulated this many times over
+LOOKAHEAD_WORK_WARNED = 100
+
+
+def warn_lookahead_work(ns: argparse.Namespace) -> None:
+    """A lookahead simulates each virtual second about horizon / interval times per split it tries: a long
+    horizon, short interval or many splits multiply a run's time by as much (over --jobs copies at once)."""
+    if not ((ns.lookahead and ns.action == "run") or (ns.action == "goodput" and "lookahead" in layout_names(ns))):
+        return
+    splits = len(lookahead_splits(ns))
+    times = ns.lookahead_horizon_s / ns.lookahead_interval_s * splits
+    if times > LOOKAHEAD_WORK_WARNED:
+        sys.stderr.write(f"warning: the lookahead simulates each virtual second ~{times:.0f} times (--lookahead-horizon-s "
+                         f"{ns.lookahead_horizon_s:g} / --lookahead-interval-s {ns.lookahead_interval_s:g} x {splits} "
+                         f"splits): a run takes as many times a plain one's, over the copies run at once\n")
+
+
 OVERLOADED_ATTAINMENT = 0.5  # below it a run's summary line is followed by a hint
 
 
@@ -451,7 +483,7 @@ def one_line(s: dict, moves: int) -> str:
 
     return (f"tidal sim: {s['requests']} requests ({s['finished']} finished, {s['rejected']} rejected, "
             f"{s['unfinished']} unfinished), {met} met both SLOs; TTFT p50 {ms(s['ttft_ms']['p50'])}, "
-            f"TPOT p50 {ms(s['tpot_ms']['p50'])}; {moves} moves (simulated)")
+            f"TPOT p50 {ms(s['tpot_ms']['p50'])}; {moves} move{'' if moves == 1 else 's'} (simulated)")
 
 
 def run_sim(ns: argparse.Namespace) -> int:
@@ -467,6 +499,7 @@ def run_sim(ns: argparse.Namespace) -> int:
         layout(ns)  # a bad --null/--prefill/--decode before the warnings below
         check_workload(ns, spec, cost)
         warn_floor(ns)
+        warn_lookahead_work(ns)
     if ns.action == "calibrate":
         from tidal.sim.calibrate import run_calibrate
 

@@ -69,6 +69,9 @@ class SimConfig:
     lookahead_interval_s: float = 10.0
     lookahead_horizon_s: float = 30.0
     lookahead_jobs: int = 1
+    # the arrivals a copy runs on: "trace" (the future itself) or "recent" (the last horizon's arrivals again, shifted
+    # a horizon on: what a planner that simulates its candidates on the traffic it has seen could know)
+    lookahead_forecast: str = "trace"
     host_cores: Optional[float] = None  # all instances on one host with this many cores (None: own cores each)
     instance_threads: int = 1  # compute threads of one instance (the profile's torch threads)
 

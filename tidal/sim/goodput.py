@@ -208,8 +208,9 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
                                              first["decode"], "phases"), cost, planner_cost,
                                   (best or {}).get("rate_scale") or last[0]))
     if "lookahead" in which:
-        results.append(goodput_of(ns, Layout(f"lookahead from {start_name}", ns.null, p0, d0, "lookahead"), cost,
-                                  planner_cost, (best or {}).get("rate_scale") or last[0]))
+        seen = " on the recent arrivals" if ns.lookahead_forecast == "recent" else ""
+        results.append(goodput_of(ns, Layout(f"lookahead{seen} from {start_name}", ns.null, p0, d0, "lookahead"),
+                                  cost, planner_cost, (best or {}).get("rate_scale") or last[0]))
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
@@ -236,7 +237,8 @@ def summary_lines(report: dict) -> list[str]:
         if r["planner"] in ("sla", "phases", "lookahead") and best:
             line += f", {round(r['goodput_rps'] / best, 3):g}x the best static split"
         if "moves_at_goodput" in r:
-            line += f"; {r['moves_at_goodput']} moves at its goodput ({r['moves_failed']} failed)"
+            n = r["moves_at_goodput"]
+            line += f"; {n} move{'' if n == 1 else 's'} at its goodput ({r['moves_failed']} failed)"
         out.append(line + (" (simulated)" if r is report["results"][-1] else ""))
     return out
 

@@ -8,6 +8,7 @@ at all on a workload. It is not a bound: it looks one horizon ahead and picks gr
 
 from __future__ import annotations
 
+import heapq
 import os
 from typing import Any
 
@@ -22,9 +23,34 @@ def misses_if_headed_for(cluster: Any, prefill: int, until: float) -> int:
     """In a copy of the cluster: head for the split from now on, run to `until`, and count the misses known then."""
     cluster._forked = True
     cluster._target = split_layout(len(cluster.instances), prefill)
+    if cluster.cfg.lookahead_forecast == "recent":
+        forecast_recent(cluster, until)
     cluster._lookahead_tick(None)  # heads for it now, and again every planner interval
     cluster.run_until(until)
     return cluster.known_misses()
+
+
+def forecast_recent(cluster: Any, until: float) -> None:
+    """In a copy: the arrivals after now replaced with those of the last (until - now) seconds, shifted on by as
+    much (repeated to `until`)."""
+    from tidal.sim.instance import SimReq
+
+    now, span = cluster.now, until - cluster.now
+    cluster._heap = [e for e in cluster._heap if not (e[2] == cluster._arrive and e[0] > now)]
+    heapq.heapify(cluster._heap)
+    seen = [r for r in cluster.requests if r.arrival <= now]
+    recent = [r for r in seen if r.arrival > now - span]
+    out, rid = [], len(cluster.requests)
+    for r in recent:
+        k = 1
+        while r.arrival + k * span <= until:
+            out.append(SimReq(rid, r.arrival + k * span, r.input_len, r.output_len))
+            rid += 1
+            k += 1
+    out.sort(key=lambda r: r.arrival)
+    cluster.requests = seen + out
+    for r in out:
+        cluster.at(r.arrival, cluster._arrive, r)
 
 
 def tried_misses(cluster: Any, splits: tuple[int, ...], until: float, jobs: int) -> dict[int, int]:
