@@ -841,7 +841,7 @@ def test_the_lookahead_heads_for_the_split_whose_copy_missed_fewest_and_is_deter
 
 
 def test_the_recent_forecast_replays_the_last_horizon_of_arrivals_in_a_copy():
-    """--lookahead-forecast recent: a copy at t runs to t + h on the arrivals of (t - h, t] again, each shifted h
+    """--lookahead-forecast recent: a copy at t runs to t + h on the arrivals of [t - h, t] again, each shifted h
     on, instead of the trace's own (a planner that simulates its candidates knows only the traffic it has seen)."""
     from tidal.sim.lookahead import forecast_recent
 
@@ -850,6 +850,7 @@ def test_the_recent_forecast_replays_the_last_horizon_of_arrivals_in_a_copy():
                 CostModel.from_file(FIXED_PROFILE), trace)
     c.start()
     c.run_until(20.0)
+    assert c.now == 20.0  # a health check's
     forecast_recent(c, 30.0)
     ahead = [(r.arrival, r.input_len, r.output_len) for r in c.requests if r.arrival > 20.0]
     assert ahead == [(t + 10.0, 100 + t, 2 + t) for t in (12, 15, 18)]  # not the trace's 21, 24, 27, 30
@@ -859,9 +860,10 @@ def test_the_recent_forecast_replays_the_last_horizon_of_arrivals_in_a_copy():
     assert c.ended == len(c.requests) == 10  # the shifted arrivals come and end; the trace's later ones never come
     c = Cluster(c.cfg, c.cost, trace)
     c.start()
-    c.run_until(5.0)
-    forecast_recent(c, 25.0)  # a horizon longer than the past: what has arrived, repeated
-    assert [r.arrival for r in c.requests if r.arrival > 5.0] == [20.0, 23.0]
+    c.run_until(10.0)
+    assert c.now == 10.0  # a health check's
+    forecast_recent(c, 25.0)  # a horizon longer than the past: the 10 s that have passed, repeated
+    assert [r.arrival for r in c.requests if r.arrival > 10.0] == [13.0, 16.0, 19.0, 20.0, 23.0]
 
 
 def test_cli_lookahead_run_and_goodput(tmp_path, capsys):

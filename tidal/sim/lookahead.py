@@ -31,22 +31,23 @@ def misses_if_headed_for(cluster: Any, prefill: int, until: float) -> int:
 
 
 def forecast_recent(cluster: Any, until: float) -> None:
-    """In a copy: the arrivals after now replaced with those of the last (until - now) seconds, shifted on by as
-    much (repeated to `until`)."""
+    """In a copy: the arrivals after now replaced with those of the last (until - now) seconds (all of them, when
+    fewer seconds have passed), repeated after now at the period of the past they cover, up to `until`."""
     from tidal.sim.instance import SimReq
 
-    now, span = cluster.now, until - cluster.now
+    now = cluster.now
+    period = min(until - now, now)
     cluster._heap = [e for e in cluster._heap if not (e[2] == cluster._arrive and e[0] > now)]
     heapq.heapify(cluster._heap)
     seen = [r for r in cluster.requests if r.arrival <= now]
-    recent = [r for r in seen if r.arrival > now - span]
-    out, rid = [], len(cluster.requests)
+    recent = [r for r in seen if r.arrival >= now - period] if period > 0 else []
+    out = []
     for r in recent:
-        k = 1
-        while r.arrival + k * span <= until:
-            out.append(SimReq(rid, r.arrival + k * span, r.input_len, r.output_len))
-            rid += 1
-            k += 1
+        t = r.arrival + period
+        while t <= until:
+            if t > now:
+                out.append(SimReq(len(cluster.requests) + len(out), t, r.input_len, r.output_len))
+            t += period
     out.sort(key=lambda r: r.arrival)
     cluster.requests = seen + out
     for r in out:
