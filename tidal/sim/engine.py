@@ -156,6 +156,15 @@ class Cluster:
         self._seq += 1
         heapq.heappush(self._heap, (t, self._seq, fn, arg))
 
+    def replace_arrivals_after_now(self, arrivals: list[SimReq]) -> None:
+        """The requests due after now become `arrivals` (in arrival order, ids unused so far): those of the trace
+        never come (a lookahead copy's forecast)."""
+        self._heap = [e for e in self._heap if not (e[2] == self._arrive and e[0] > self.now)]
+        heapq.heapify(self._heap)
+        self.requests = [r for r in self.requests if r.arrival <= self.now] + arrivals
+        for r in arrivals:
+            self.at(r.arrival, self._arrive, r)
+
     @property
     def largest_decode_batch(self) -> int:
         return max((i.largest_decode_batch for i in self.instances.values()), default=0)

@@ -8,11 +8,10 @@ at all on a workload. It is not a bound: it looks one horizon ahead and picks gr
 
 from __future__ import annotations
 
-import heapq
 import os
 from typing import Any
 
-from tidal.sim.instance import DECODE, NULL, PREFILL
+from tidal.sim.instance import DECODE, NULL, PREFILL, SimReq
 
 
 def split_layout(instances: int, prefill: int) -> dict:
@@ -33,25 +32,24 @@ def misses_if_headed_for(cluster: Any, prefill: int, until: float) -> int:
 def forecast_recent(cluster: Any, until: float) -> None:
     """In a copy: the arrivals after now replaced with those of the last (until - now) seconds (all of them, when
     fewer seconds have passed), repeated after now at the period of the past they cover, up to `until`."""
-    from tidal.sim.instance import SimReq
-
     now = cluster.now
     period = min(until - now, now)
-    cluster._heap = [e for e in cluster._heap if not (e[2] == cluster._arrive and e[0] > now)]
-    heapq.heapify(cluster._heap)
-    seen = [r for r in cluster.requests if r.arrival <= now]
-    recent = [r for r in seen if r.arrival >= now - period] if period > 0 else []
-    out = []
-    for r in recent:
-        t = r.arrival + period
-        while t <= until:
-            if t > now:
-                out.append(SimReq(len(cluster.requests) + len(out), t, r.input_len, r.output_len))
-            t += period
-    out.sort(key=lambda r: r.arrival)
-    cluster.requests = seen + out
-    for r in out:
-        cluster.at(r.arrival, cluster._arrive, r)
+    recent = [r for r in cluster.requests if now - period <= r.arrival <= now] if period > 0 else []
+    times = sorted((t, k) for k, r in enumerate(recent)
+                   for t in _repeats(r.arrival, period, now, until))
+    first_id = len(cluster.requests)
+    cluster.replace_arrivals_after_now([SimReq(first_id + i, t, recent[k].input_len, recent[k].output_len)
+                                        for i, (t, k) in enumerate(times)])
+
+
+def _repeats(arrival: float, period: float, now: float, until: float) -> list[float]:
+    """arrival + period, + 2 period, ... up to `until`, those after now."""
+    out, t = [], arrival + period
+    while t <= until:
+        if t > now:
+            out.append(t)
+        t += period
+    return out
 
 
 def tried_misses(cluster: Any, splits: tuple[int, ...], until: float, jobs: int) -> dict[int, int]:
