@@ -132,6 +132,9 @@ def test_abort_on_decode_frees_both_sides(pd_pair):
     d.handle(AbortReq(rid="a"))
     pout, dout = run_pair(p, d)
     assert dout["a"][1].type == "abort"
+    # the prefill hears of it from decode, also when decode aborts before its room has paired (not at its
+    # bootstrap timeout, 30 s)
+    assert "aborted by decode" in pout["a"][1].message
     assert dout["b"][0] == reference_generate(list(range(2, 30)), 5)
     assert p.is_idle() and d.is_idle()
 

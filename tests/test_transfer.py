@@ -286,6 +286,21 @@ def test_abort_before_prefill_request_arrives(pairs):
     assert s.poll() == KVPoll.Failed and "aborted by decode" in str(s.failure_exception())
 
 
+@pytest.mark.parametrize("backend", ["shm", "tcp"])
+def test_abort_while_the_prefill_is_looked_up_still_reaches_it(pairs, backend):
+    """A decode room aborted before its prefill's address has resolved tells that prefill once it has: the
+    prefill fails the room at once, not at its bootstrap timeout (10 s here, 30 s by default)."""
+    pair = pairs(backend, 4)
+    room = 78
+    s = KVSender(pair.prefill, pair.addr, room)  # the router sends the request to both sides at once
+    r = KVReceiver(pair.decode, pair.addr, room)
+    assert r.poll() == KVPoll.Bootstrapping  # the lookup runs on the bootstrap client's thread
+    r.abort()
+    assert r.poll() == KVPoll.Failed
+    assert wait_for(lambda: s.poll() == KVPoll.Failed, 5)
+    assert "aborted by decode" in str(s.failure_exception())
+
+
 def test_bootstrap_timeouts(pairs, monkeypatch):
     monkeypatch.setenv("TIDAL_DISAGG_BOOTSTRAP_TIMEOUT", "0.3")
     pair = pairs("tcp", 4, config=None)

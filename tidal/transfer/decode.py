@@ -102,6 +102,9 @@ class DecodeSide:
         self._lock = threading.RLock()
         self._rooms: dict[int, ReceiverRoom] = {}
         self._conns: dict[str, RankConn] = {}
+        # rooms that failed while their prefill's endpoint was still being looked up: room -> (target, reason,
+        # failed at); told once the target resolves (`_on_target_ready`), forgotten after the bootstrap timeout
+        self._untold: dict[int, tuple[Target, str, float]] = {}
         self._closed = False
 
     def attach(self, transport: Transport, control: ControlPlane) -> None:
@@ -165,12 +168,38 @@ class DecodeSide:
             st.fenced = from_prefill or not st.info_sent or guarded
             if st.fenced:
                 self._drop(st)
-            tell = None if from_prefill or st.conn is None or st.conn.state != "ready" else st.conn.endpoint
+            tell = None if from_prefill else self._partner_endpoint(st, reason)
         self.stats.add_failure(during_bootstrap)
         logger.info("decode room %s failed: %s", st.room, reason)
         if tell is not None:
             self._send(tell, AbortRoom(room=st.room, decode_id=self.decode_id, endpoint=self.control.endpoint,
                                        reason=reason))
+
+    def _partner_endpoint(self, st: ReceiverRoom, reason: str) -> Optional[str]:
+        """Lock held. Where to tell the prefill that `st` failed: its connection's endpoint, else that of its
+        resolved target (a room that fails while the Hello is still unanswered; the prefill fails the room, or
+        tombstones it until the request reaches it). A target still being looked up is told once it resolves.
+        Without this a request aborted on decode in its first milliseconds held its prefill server's room until
+        the prefill's bootstrap timeout (30 s)."""
+        if st.conn is not None and st.conn.state == "ready":
+            return st.conn.endpoint
+        t = st.target
+        if t is None or t.state == "failed":
+            return None
+        if t.state == "ready" and t.endpoint:
+            return t.endpoint
+        self._untold[st.room] = (t, reason, time.monotonic())
+        return None
+
+    def _tell_untold(self, t: Target) -> None:
+        """Tells the prefill behind `t`, now resolved, of the rooms that failed while it was looked up."""
+        with self._lock:
+            rooms = [(room, reason) for room, (target, reason, _) in self._untold.items() if target is t]
+            for room, _ in rooms:
+                del self._untold[room]
+        for room, reason in rooms:
+            self._send(t.endpoint, AbortRoom(room=room, decode_id=self.decode_id, endpoint=self.control.endpoint,
+                                             reason=reason))
 
     def _fence(self, st: ReceiverRoom) -> None:
         st.fenced = True
@@ -234,6 +263,7 @@ class DecodeSide:
     # ---- bootstrap client thread
 
     def _on_target_ready(self, t: Target) -> None:
+        self._tell_untold(t)
         with self._lock:
             conn = self._conns.get(t.endpoint)
             if conn is not None and conn.prefill_id == t.prefill_id and conn.state != "failed":
@@ -347,6 +377,8 @@ class DecodeSide:
     def on_tick(self, now: float) -> None:
         with self._lock:
             rooms = list(self._rooms.values())
+            for room in [r for r, (_, _, at) in self._untold.items() if now - at > self.config.bootstrap_timeout]:
+                del self._untold[room]  # the prefill has timed the room out by now
         for st in rooms:
             self._advance(st, now)
 
