@@ -432,4 +432,4 @@ class DecodeReceiver(BaseKVReceiver):
         return KVTransferError(reason) if self._room.status == KVPoll.Failed and reason else None
 
     def abort(self) -> None:
-        self._side.fail(self._room, "aborted by decode")
+        self._side.fail(self._room, "the request was aborted")
