@@ -172,8 +172,7 @@ class DecodeSide:
         self.stats.add_failure(during_bootstrap)
         logger.info("decode room %s failed: %s", st.room, reason)
         if tell is not None:
-            self._send(tell, AbortRoom(room=st.room, decode_id=self.decode_id, endpoint=self.control.endpoint,
-                                       reason=reason))
+            self._tell_abort(tell, st.room, reason)
 
     def _partner_endpoint(self, st: ReceiverRoom, reason: str) -> Optional[str]:
         """Lock held. Where to tell the prefill that `st` failed: its connection's endpoint, else that of its
@@ -198,8 +197,11 @@ class DecodeSide:
             for room, _ in rooms:
                 del self._untold[room]
         for room, reason in rooms:
-            self._send(t.endpoint, AbortRoom(room=room, decode_id=self.decode_id, endpoint=self.control.endpoint,
-                                             reason=reason))
+            self._tell_abort(t.endpoint, room, reason)
+
+    def _tell_abort(self, endpoint: str, room: int, reason: str) -> None:
+        self._send(endpoint, AbortRoom(room=room, decode_id=self.decode_id, endpoint=self.control.endpoint,
+                                       reason=reason))
 
     def _fence(self, st: ReceiverRoom) -> None:
         st.fenced = True
@@ -330,8 +332,7 @@ class DecodeSide:
                 problem, conn = self._complete(st, msg), st.conn
         if st is None:
             if conn is not None:  # tell that prefill so its room fails now rather than at its timeout
-                self._send(conn.endpoint, AbortRoom(room=msg.room, decode_id=self.decode_id,
-                                                    endpoint=self.control.endpoint, reason="unknown room on decode"))
+                self._tell_abort(conn.endpoint, msg.room, "unknown room on decode")
         elif problem:
             self.fail(st, problem)
         else:
