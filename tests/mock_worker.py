@@ -241,7 +241,8 @@ class MockWorker:
                 return JSONResponse({"status": "error", "message": f"{self.name} refuses to switch",
                                      "current_mode": self.role, "epoch": self.epoch}, status_code=500)
             self.role, self.epoch = mode, self.epoch + 1
-            return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch, "timings_ms": {}})
+            return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch,
+                                 "timings_ms": {"drain": 0.0, "switch": 1.5}})
 
         @app.get("/v1/models")
         async def models() -> Response:

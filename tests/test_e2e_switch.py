@@ -163,3 +163,55 @@ def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on():
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on():
+    """Real servers: A (null) streams a long answer of its own when it switches to prefill with handover.
+    The switch does not drain, A prefills for B (decode) at once, its own answer streams on to the end equal
+    to the one before the switch, and the null role goes once it is done."""
+    a, b = dynamic_server(), dynamic_server()
+    try:
+        n = 200
+        want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
+        assert switch(b.url, "decode").status_code == 200
+        got, first_token = [], threading.Event()
+        body = {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+                "stream": True}
+
+        def stream() -> None:
+            with httpx.stream("POST", a.url + "/generate", json=body, timeout=300) as r:
+                for line in r.iter_lines():
+                    if line.startswith("data: {"):
+                        got[:] = json.loads(line[6:])["output_ids"]
+                        first_token.set()
+
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first_token.wait(120)
+        r = switch(a.url, "prefill", handover=True, drain=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["timings_ms"]["drain"] == 0.0 and "null role held finish under prefill" in r.json()["message"]
+        t_switch = time.time()
+        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
+        pd_body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                                           "ignore_eos": True},
+                   "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 4242}
+        with httpx.Client(timeout=120) as c:
+            leg = threading.Thread(target=lambda: c.post(a.url + "/generate", json=pd_body))
+            leg.start()
+            pd = c.post(b.url + "/generate", json=pd_body)
+            leg.join()
+        assert pd.status_code == 200, pd.text
+        assert t.is_alive(), "the handed-over answer should still be streaming"
+        t.join(300)
+        assert got == want
+        for _ in range(50):
+            st = httpx.get(a.url + "/admin/disaggregation_status").json()
+            if st["transition_state"] == "IDLE":
+                break
+            time.sleep(0.1)
+        assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
+        assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
+    finally:
+        a.stop()
+        b.stop()

@@ -261,7 +261,7 @@ def test_switch_cycles_leak_no_threads_or_fds():
         a.shutdown()
 
 
-# ---------------------------------------------------------------- handover: decode -> prefill / null at once
+# ------------------------------------------------ handover: decode -> prefill / null, null -> prefill at once
 
 
 def run_all(scheds: list, out: dict, until, timeout: float = 60.0) -> None:
@@ -368,12 +368,66 @@ def test_a_decode_server_hands_its_answers_over_to_null_and_serves_whole_request
     assert type(d.role).__name__ == "NullRole"
 
 
-def test_handover_from_another_role_is_the_usual_switch(pair):
-    """handover applies to a decode server only: a busy null server refuses (503) or drains as before."""
-    a, *_ = pair
+def test_handover_where_the_new_role_cannot_finish_the_requests_is_the_usual_switch(pair):
+    """A null server switching to decode cannot hand over (decode prefills nothing): busy, it refuses (503)
+    or drains as before; so does a prefill server, whose requests' decode servers hold their answers."""
+    a, b, *_ = pair
     a.handle(GenerateReq(rid="busy", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=50)))
-    r = switch(a, "prefill", handover=True)
+    r = switch(a, "decode", handover=True)
     assert r.status_code == 503 and "queues not empty" in r.message and a.role.name == "null"
+    assert switch(b, "prefill").status_code == 200
+    b.handle(GenerateReq(rid="pd", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=5),
+                         bootstrap_host="127.0.0.1", bootstrap_port=free_port(), bootstrap_room=7))
+    r = switch(b, "null", handover=True)
+    assert r.status_code == 503 and "queues not empty" in r.message and b.role.name == "prefill"
+
+
+def test_a_null_server_hands_its_requests_over_to_prefill_and_prefills_at_once():
+    """N (null) decodes answers, is midway through a chunked prefill and holds prompts it has not prefilled
+    when it switches to prefill with handover: the switch answers at once, N prefills new PD requests for X
+    while it finishes its own requests (the prompts too, prefilled and decoded there), every output equals
+    the reference, its radix cache and the prefixes in it stay, and the null role goes once N holds none of
+    its requests."""
+    pn, px = free_port(), free_port()
+    n, x = make(pn, "null"), make(px, "decode")
+    try:
+        rng = random.Random(11)
+        own = [(f"own{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 16))]) for i in range(5)]
+        for rid, prompt in own[:3]:
+            n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=40, temperature=0)))
+        out: dict = {}
+        run_all([n], out, lambda: len(n.running) == 3 and all(len(r.output_ids) >= 3 for r in n.running))
+        long = ("long", [rng.randrange(1, 500) for _ in range(45)])  # three chunks of 16
+        n.handle(GenerateReq(rid="long", input_ids=long[1],
+                             sampling=SamplingParams(max_new_tokens=12, temperature=0)))
+        n.step()
+        assert n.planner.chunked_req is not None and n.planner.chunked_req.rid == "long"
+        for rid, prompt in own[3:]:  # not prefilled yet when N switches
+            n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=12, temperature=0)))
+        own.append(long)
+        cached = n.mem.tree_cache.total_size()
+        r = switch(n, "prefill", handover=True)  # the chunked prefill goes on: the radix cache stays
+        assert r.status_code == 200 and r.current_mode == "prefill" and r.epoch == 1, r.message
+        assert "6 requests the null role held" in r.message and "handover" in r.message
+        assert n.controller.state.value == "HANDOVER" and n.role.name == "prefill"
+        assert n.mem.tree_cache.total_size() == cached > 0
+        refused = switch(n, "decode")
+        assert refused.status_code == 409 and "null role is still finishing" in refused.message
+        new = pd_prompts(pn, 3, "new", 12)
+        send_pd(n, x, new, 10)
+        run_all([n, x], out, lambda: finished(out, x, new))
+        assert not finished(out, n, own[:3])  # the new requests finished while N still decoded its own
+        run_all([n, x], out, lambda: finished(out, n, own) and n.controller.state.value == "IDLE")
+        for rid, prompt in own:
+            assert out[id(n)][rid][0] == reference_generate(prompt, 40 if rid in ("own0", "own1", "own2") else 12)
+        for rid, prompt, _ in new:
+            assert out[id(x)][rid][0] == reference_generate(prompt, 10), rid
+        assert type(n.role).__name__ == "PrefillRole" and n.controller.last_timings_ms["handover"] > 0
+        n.check_integrity()
+        x.check_integrity()
+    finally:
+        n.shutdown()
+        x.shutdown()
 
 
 def test_handed_over_answers_retracted_under_prefill_are_prefilled_and_decoded_there():

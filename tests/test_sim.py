@@ -169,9 +169,9 @@ def test_every_request_ends_exactly_once_across_moves():
 
 
 def test_a_drain_longer_than_the_switch_timeout_fails_and_the_worker_stays():
-    """A null worker busy with a 1000-token answer (100 s at 0.1 s/step) cannot drain in 60 s."""
+    """A null worker busy with a 1000-token answer (100 s at 0.1 s/step) cannot drain in 60 s to decode."""
     c = Cluster(SimConfig(null=2, prefill=0, decode=0), flat_cost(), [TraceRequest(0.0, 100, 1000)])
-    c.at(5.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
+    c.at(5.0, lambda _: c._start_move(c.requests[0].decode_url, "decode"))
     c.run()
     (move,) = c.moves
     assert move.outcome.startswith("failed") and move.ended == pytest.approx(65.0)
@@ -180,12 +180,28 @@ def test_a_drain_longer_than_the_switch_timeout_fails_and_the_worker_stays():
 
 def test_a_move_waits_for_the_drain_then_pays_the_switch():
     c = Cluster(SimConfig(null=2, prefill=0, decode=0), flat_cost(), [TraceRequest(0.0, 100, 30)])
-    c.at(2.0, lambda _: c._start_move(c.requests[0].decode_url, "prefill"))
+    c.at(2.0, lambda _: c._start_move(c.requests[0].decode_url, "decode"))
     c.run()
     (move,) = c.moves
     # finished at 1.0 (prefill) + 29 * 0.1 = 3.9; switch 0.25 s
     assert (move.outcome, move.drained, move.ended) == ("ok", pytest.approx(3.9), pytest.approx(4.15))
-    assert c.registry.get(move.worker).mode == "prefill"
+    assert c.registry.get(move.worker).mode == "decode"
+
+
+def test_a_null_worker_hands_its_requests_over_to_prefill():
+    """Null -> prefill drains nothing (the live router asks for a handover): the worker switches at once and
+    finishes its answer as a prefill server, as a move from decode does; one that must drain (null -> decode,
+    above) waits out its 1000-token answer."""
+    c = Cluster(SimConfig(null=2, prefill=0, decode=1), flat_cost(), [TraceRequest(0.0, 100, 1000)])
+    worker = []
+    c.at(5.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "prefill")))
+    c.run()
+    (move,) = c.moves
+    r = c.requests[0]
+    assert (move.src, move.outcome, move.drained, move.ended) == ("null", "ok", 5.0, pytest.approx(5.25))
+    assert r.outcome == "finished" and r.generated == 1000 and move.handed_over == r.finished_at
+    assert c.registry.get(worker[0]).mode == "prefill"
+    assert all((inst.null_reqs, inst.pd_decodes, inst.kv_used) == (0, 0, 0) for inst in c.instances.values())
 
 
 def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
@@ -206,6 +222,21 @@ def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
         r.finished_at + 0.25)
     assert c.registry.get(worker[0]).mode == "decode"
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
+
+
+def test_a_handover_asked_during_a_handover_waits_for_it():
+    """Decode -> null hands an answer over; null -> prefill asked before it ends would hand over too, but waits
+    for the first handover to end (the live worker queues it), then switches at once."""
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
+    worker = []
+    c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "null")))
+    c.at(3.0, lambda _: c._start_move(worker[0], "prefill"))
+    c.run()
+    first, second = c.moves
+    r = c.requests[0]
+    assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 2.0, r.finished_at)
+    assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", r.finished_at)
+    assert second.ended == pytest.approx(r.finished_at + 0.25) and c.registry.get(worker[0]).mode == "prefill"
 
 
 def test_a_decode_worker_set_to_drain_switches_once_its_answer_ends():

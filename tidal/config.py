@@ -15,6 +15,9 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 DISAGG_MODES = ("null", "prefill", "decode")
+# (from, to): the switches that may hand over (roles/handover.py) instead of draining. A null server
+# switching to decode cannot: the decode role prefills none of the prompts it held.
+HANDOVER_SWITCHES = (("decode", "prefill"), ("decode", "null"), ("null", "prefill"))
 POOLING_METHODS = ("last", "mean", "cls")
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

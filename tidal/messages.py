@@ -62,7 +62,7 @@ class SwitchModeReq(_Msg):
     drain: bool = False
     timeout_s: float = 30.0
     flush_cache: bool = True
-    handover: bool = False  # decode -> prefill / null: the new role serves at once, the answers held go on
+    handover: bool = False  # decode -> prefill / null, null -> prefill: serve the new role at once, finish the old's
 
 
 class PrepareModeReq(_Msg):

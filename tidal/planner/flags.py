@@ -61,9 +61,9 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
                         f"{MEETS_TODAY_GAIN * 100:g}%% when it meets today's rate and the current layout does not "
                         f"(default: {d.hysteresis:g})")
     g.add_argument("--planner-decode-move", choices=DECODE_MOVES, default=d.decode_move,
-                   help=f"how a decode worker moves to prefill or null, by the planner or by hand: handover "
-                        f"switches it at once and it finishes its answers in the new role beside the new work; "
-                        f"drain switches it once its answers have ended (default: {d.decode_move})")
+                   help=f"how a decode worker moves to prefill or null, and a null worker to prefill, by the planner "
+                        f"or by hand: handover switches it at once and it finishes what it held in the new role "
+                        f"beside the new work; drain switches it once that has ended (default: {d.decode_move})")
     g.add_argument("--planner-profile", default=None, metavar="PATH", help=profile_help)
 
 

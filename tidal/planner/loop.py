@@ -195,9 +195,12 @@ class PlannerLoop:
         ok = status == 200
         self.state.finished(self.clock(), d.url, ok, self.cfg)
         d.outcome = "ok" if ok else f"failed: {(body.get('error') or {}).get('message', status)}"
+        if ok and isinstance(body.get("timings_ms"), dict):
+            d.timings_ms = {k: v for k, v in body["timings_ms"].items() if isinstance(v, (int, float))}
         self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
         log = logger.info if ok else logger.warning
-        log("planner: move %s %s->%s %s", d.url, d.src, d.dst, d.outcome)
+        took = "".join(f", {k} {v:.0f} ms" for k, v in d.timings_ms.items())
+        log("planner: move %s %s->%s %s%s", d.url, d.src, d.dst, d.outcome, took)
         if ok:
             self._walk_on()
 

@@ -11,7 +11,7 @@ PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (NULL, PREFILL, DECODE)
 PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
 PLANNER_MODES = ("static", "sla", "advise")
-DECODE_MOVES = ("handover", "drain")  # how a decode worker leaves its pool (PlannerConfig.decode_move)
+DECODE_MOVES = ("handover", "drain")  # how a decode (or null) worker leaves its pool (PlannerConfig.decode_move)
 MIN_INTERVAL_S = 0.1  # the shortest --planner-interval-s
 
 
@@ -117,6 +117,8 @@ class Decision(msgspec.Struct, kw_only=True):
     candidates: list[Candidate] = []
     target: Optional[Prediction] = None  # the best layout found, which the moves head for
     outcome: str = ""  # for moves, once done: "ok" or "failed: ..."
+    # a move that landed: the worker's own timings of its switch (drain, switch; ms), drain 0 for a handover
+    timings_ms: dict[str, float] = {}
     answers: Optional[float] = None  # a move's: the mean answer of the traffic it was decided on
 
 
@@ -141,8 +143,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     burst_window_s: float = 300.0
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
-    # a decode worker moved to prefill or null: "handover" switches it at once and it finishes its answers in
-    # the new role (roles/handover.py); "drain" switches it once they have ended
+    # a decode worker moved to prefill or null, a null worker to prefill: "handover" switches it at once and
+    # it finishes what it held in the new role (roles/handover.py); "drain" switches it once that has ended
     decode_move: str = "handover"
 
     def __post_init__(self) -> None:

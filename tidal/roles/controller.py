@@ -1,8 +1,9 @@
 """ModeController: switches the scheduler's role at runtime, with drain, epochs and rollback.
 
 States: IDLE -> CHECKING -> (DRAINING) -> SWITCHING -> IDLE, and SWITCHING -> ROLLBACK -> IDLE;
-a handover (decode -> prefill or null, `handover: true`): SWITCHING -> HANDOVER -> IDLE, the new
-role serving from HANDOVER on while the decode role finishes what it held (roles/handover.py).
+a handover (decode -> prefill or null, null -> prefill, `handover: true`): SWITCHING -> HANDOVER ->
+IDLE, the new role serving from HANDOVER on while the old role finishes what it held
+(roles/handover.py).
 A switch runs inside the scheduler loop between iterations, never beside a forward pass.
 Nothing of the old role is released until the new one is committed, so a failure at any
 step restores the snapshot exactly: the old role keeps serving, its bootstrap server and
@@ -21,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
-from tidal.config import DISAGG_MODES
+from tidal.config import DISAGG_MODES, HANDOVER_SWITCHES
 from tidal.messages import ModeStatusResp, PrepareModeReq, SwitchModeReq, SwitchModeResp
-from tidal.roles.handover import HANDOVER_SOURCES, HANDOVER_TARGETS, HandoverRole
+from tidal.roles.handover import HandoverRole
 from tidal.roles.ranks import FaultInjector, SwitchFailed, agree, any_rank
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ class TransitionState(str, enum.Enum):
     DRAINING = "DRAINING"
     SWITCHING = "SWITCHING"
     ROLLBACK = "ROLLBACK"
-    HANDOVER = "HANDOVER"  # switched; the old decode role still finishes its answers
+    HANDOVER = "HANDOVER"  # switched; the old role still finishes what it held
 
 
 @dataclass
@@ -45,7 +46,7 @@ class PendingSwitch:
     msg: SwitchModeReq
     drain_started: float = 0.0
     timings_ms: dict = field(default_factory=dict)
-    handover: bool = False  # the decode role's answers go on under the new role instead of being drained
+    handover: bool = False  # the old role's requests go on under the new role instead of being drained
 
 
 class ModeController:
@@ -91,7 +92,7 @@ class ModeController:
             return self._reply(msg, 200, f"already in {msg.mode} mode")
         self.state, self.target = TransitionState.CHECKING, msg.mode
         pending = PendingSwitch(msg, drain_started=drain_started or time.monotonic())
-        pending.handover = msg.handover and self.s.role.name in HANDOVER_SOURCES and msg.mode in HANDOVER_TARGETS
+        pending.handover = msg.handover and (self.s.role.name, msg.mode) in HANDOVER_SWITCHES
         if not self._ready(pending):
             if not msg.drain:
                 self._to_idle()
@@ -104,11 +105,16 @@ class ModeController:
         return self._switch(pending)
 
     def _ready(self, p: PendingSwitch) -> bool:
-        """Nothing left that the switch must wait for: every request gone, or for a handover only a
-        chunked prefill (its prefix moves to the new prefix cache only once whole)."""
+        """Nothing left that the switch must wait for: every request gone, or for a handover that replaces
+        the prefix cache a chunked prefill (its prefix moves to the new prefix cache only once whole)."""
         if p.handover:
-            return self.s.planner.chunked_req is None
+            return self.s.planner.chunked_req is None or self._keeps_cache(p.msg.mode)
         return self.s.is_idle()
+
+    def _keeps_cache(self, mode: str) -> bool:
+        """The role `mode` uses the prefix cache there is (null <-> prefill; decode shares no prefixes)."""
+        current_is_radix = not getattr(self.s.mem.tree_cache, "disable", False)
+        return current_is_radix == (mode != "decode" and not self.s.args.disable_radix_cache)
 
     def _invalid(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
@@ -121,8 +127,8 @@ class ModeController:
         if self.state == TransitionState.HANDOVER:
             queued = f"; a switch to {self.queued.msg.mode} already waits for it" if self.queued else \
                 "; retry when it is done, or ask with drain to wait for it"
-            return 409, (f"the decode role is still finishing the answers it held when this server switched to "
-                         f"{self.s.role.name} (handover){queued}")
+            return 409, (f"the {self.s.role.old.name} role is still finishing the requests it held when this server "
+                         f"switched to {self.s.role.name} (handover){queued}")
         if self.state != TransitionState.IDLE:
             return 409, f"a switch to {self.target} is in progress ({self.state.value})"
         return None
@@ -148,7 +154,7 @@ class ModeController:
 
     def on_iteration(self) -> None:
         """Called once per loop iteration: finish draining, or time out and roll back; end a handover
-        once the old decode role holds nothing."""
+        once the old role holds nothing."""
         if self.state == TransitionState.HANDOVER:
             self._during_handover()
             return
@@ -169,7 +175,7 @@ class ModeController:
                                                           f"{self.s.role.name}"))
 
     def _during_handover(self) -> None:
-        """Retire the decode role once every rank finds it holds nothing, then start the switch queued
+        """Retire the old role once every rank finds it holds nothing, then start the switch queued
         behind it; a queued switch that waited past its timeout is answered 504."""
         q = self.queued
         if not any_rank(self.tp, not self.s.role.retired()):
@@ -194,7 +200,7 @@ class ModeController:
 
         def check() -> None:
             self.faults.check("check", self.target)
-            self._check_quiescent(p.handover)
+            self._check_quiescent(p.handover, self._keeps_cache(mode))
 
         def cache() -> None:
             made["cache"] = self._cache_for(mode, p.msg.flush_cache)
@@ -235,16 +241,19 @@ class ModeController:
         self.last_error = None
         text = f"switched from {old_role.name} to {mode}"
         if p.handover:
-            text += f"; the {held} requests the decode role held finish under {mode} (handover)"
+            text += f"; the {held} requests the {old_role.name} role held finish under {mode} (handover)"
         logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
         return self._reply(p.msg, 200, text, p.timings_ms)
 
-    def _check_quiescent(self, handover: bool) -> None:
-        """Nothing runs (a handover: no pass or chunked prefill in flight; the requests it hands over keep
-        their locks in a prefix cache that stays, and hold none in one that is replaced)."""
+    def _check_quiescent(self, handover: bool, keeps_cache: bool) -> None:
+        """Nothing runs (a handover: no pass in flight, nor a chunked prefill where the prefix cache is
+        replaced; the requests it hands over keep their locks in a prefix cache that stays, and hold none in
+        one that is replaced)."""
         if handover:
-            if self.s.inflight is not None or self.s.planner.chunked_req is not None:
-                raise SwitchFailed("a pass or a chunked prefill is in flight", 503)
+            if self.s.inflight is not None:
+                raise SwitchFailed("a pass is in flight", 503)
+            if self.s.planner.chunked_req is not None and not keeps_cache:
+                raise SwitchFailed("a chunked prefill is in flight", 503)
             return
         if not self.s.is_idle():
             raise SwitchFailed(f"queues not empty: {self.queue_sizes()}", 503)
@@ -253,11 +262,10 @@ class ModeController:
 
     def _cache_for(self, mode: str, flush: bool):
         """The cache the target role needs (None: keep the current one). Nothing is freed yet."""
-        mem, args = self.s.mem, self.s.args
-        current_is_radix = not getattr(mem.tree_cache, "disable", False)
-        want_radix = mode != "decode" and not args.disable_radix_cache
-        if want_radix == current_is_radix:
+        mem = self.s.mem
+        if self._keeps_cache(mode):
             return None
+        want_radix = mode != "decode" and not self.s.args.disable_radix_cache
         if not want_radix and mem.tree_cache.total_size() > 0 and not flush:
             raise SwitchFailed("decode needs an empty prefix cache: it holds entries and flush_cache is false", 409)
         return mem.make_cache(radix=want_radix)
@@ -268,9 +276,10 @@ class ModeController:
         return create_role(mode, self.s, activate=activate)
 
     def _commit(self, p: PendingSwitch, old_role, old_cache, new_role, new_cache) -> None:
-        """The new role serves from now on. After a handover the decode role stays beside it with what it
-        holds: its requests were placed under a prefix cache without sharing, so under a new radix cache
-        they own all their KV and lock nothing (the tree takes it when they end)."""
+        """The new role serves from now on. After a handover the old role stays beside it with what it holds:
+        a decode role's requests were placed under a prefix cache without sharing, so under a new radix cache
+        they own all their KV and lock nothing (the tree takes it when they end); a null role's keep their
+        locks in the radix cache, which stays."""
         s = self.s
         if new_cache is not None:
             old_cache.flush()  # frees its slots; it held no locks (checked), or nothing (without sharing)
@@ -288,12 +297,12 @@ class ModeController:
         self.handover_started = time.monotonic()
 
     def _retire(self) -> None:
-        """The decode role of a handover holds nothing more: it goes."""
+        """The old role of a handover holds nothing more: it goes."""
         role = self.s.role
         self.s.role = role.new
         self._dispose(role.old)
         self.last_timings_ms["handover"] = round((time.monotonic() - self.handover_started) * 1000, 3)
-        logger.info("handover to %s done: the decode role finished its requests in %.1f s", role.name,
+        logger.info("handover to %s done: the %s role finished its requests in %.1f s", role.name, role.old.name,
                     self.last_timings_ms["handover"] / 1000)
         self._to_idle()
 

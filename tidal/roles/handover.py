@@ -1,10 +1,13 @@
-"""HandoverRole: a decode server that switched to prefill or null without draining its answers.
+"""HandoverRole: a server that switched role without draining what it held.
 
-The new role serves from the switch on (new requests, the router's new pool, the epoch); the
-decode role it replaced accepts nothing more and keeps only what it already holds: the PD
+A decode server switches to prefill or null this way, and a null server to prefill. The new
+role serves from the switch on (new requests, the router's new pool, the epoch); the role it
+replaced accepts nothing more and keeps only what it already holds: a decode role the PD
 requests still waiting for their prompt's KV (its prealloc and transfer queues, polled as
-before) and, through the scheduler's running batch, the answers being decoded. The
-controller drops it once it holds nothing (`retired`).
+before) and, through the scheduler's running batch, the answers being decoded; a null role
+its answers and the prompts it had not prefilled yet, which the prefill role prefills and
+decodes here as requests without a PD partner. The controller drops the old role once it
+holds nothing (`retired`).
 
 Under null the running batch is null's own: null decodes it as it decodes every request.
 Under prefill, which runs prefill passes only, the handed-over answers get as much time as
@@ -27,9 +30,6 @@ from tidal.scheduler.schedule_batch import ScheduleBatch
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
 
-HANDOVER_SOURCES = ("decode",)
-HANDOVER_TARGETS = ("prefill", "null")
-
 
 class HandoverRole:
     def __init__(self, sched: "Scheduler", new: Any, old: Any) -> None:
@@ -39,7 +39,8 @@ class HandoverRole:
         self._batch_started = 0.0
 
     def reroot(self, root: Any) -> None:
-        """Under a new radix cache (the decode role's had no sharing) every request held owns all its KV."""
+        """Under a new radix cache (the decode role's had no sharing) every request held owns all its KV.
+        (A null role's radix cache stays under prefill: its requests keep their prefix locks.)"""
         s = self.s
         for req in [*s.live_reqs(), *s.waiting_queue, *self.old.queued_reqs()]:
             req.last_node = root
@@ -87,7 +88,7 @@ class HandoverRole:
                 self.answers_owed_s += took
 
     def retired(self) -> bool:
-        """The decode role holds nothing, and (under prefill) no handed-over request is left: a request
+        """The old role holds nothing, and (under prefill) no handed-over request is left: a request
         without a PD partner that is not an embedding (those are computed here in every role)."""
         if not self.old.is_idle():
             return False

@@ -3,8 +3,9 @@
 The worker leaves its pool first (no new requests reach it), is asked to drain and
 switch, and joins the new pool only after it reports the new mode with a larger epoch.
 On any failure it returns to its old pool unchanged. A decode worker moving to prefill or
-null drains nothing: it hands its answers over (tidal/roles/handover.py) and decodes them
-to the end while it serves its new pool (unless `--planner-decode-move drain`).
+null, and a null worker moving to prefill, drain nothing: they hand what they hold over
+(tidal/roles/handover.py) and finish it while they serve the new pool (unless
+`--planner-decode-move drain`).
 
 A move by hand is refused (409) when the layout it leads to could route nothing where the one
 the router heads for could, unless the body says `"force": true`; it starts the planner's
@@ -108,7 +109,7 @@ class RoleMover:
 
     async def _switch(self, w: Worker, mode: str) -> tuple[int, Any]:
         timeout_s = self.st.cfg.switch_timeout_s
-        # handover: a decode worker serves its new pool at once and finishes its answers there
+        # handover: a decode (or null, to prefill) worker serves its new pool at once and finishes its requests there
         handover = self.st.cfg.planner.decode_move == "handover"
         payload = {"mode": mode, "drain": True, "timeout_s": timeout_s, "handover": handover}
         try:

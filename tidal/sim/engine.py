@@ -18,10 +18,10 @@ every instance has its own cores, as in a cluster of many hosts.
 A move follows the live drain-switch path: the worker leaves every pool, finishes what it
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool. A decode
-worker moving to prefill or null hands its answers over as the live router asks it to (unless
-`decode_move` is "drain"): it switches at once and finishes them in its new role; a move of a
-worker still doing so waits for them as a drain (the live worker holds a drained switch until
-its handover ends).
+worker moving to prefill or null, and a null worker moving to prefill, hand over what they hold
+as the live router asks them to (unless `decode_move` is "drain"): they switch at once and finish
+it in the new role; a move of a worker still doing so waits for it as a drain (the live worker
+holds a drained switch until its handover ends).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ import heapq
 import random
 from typing import Any, Callable, Optional
 
+from tidal.config import HANDOVER_SWITCHES
 from tidal.planner.decide import PlannerState, decide, drain_work, has_path, heading_for, pool_counts
 from tidal.planner.loop import pool_loads
 from tidal.planner.schema import NULL_PATH, PD_PATH, PlannerConfig
@@ -237,6 +238,7 @@ class Cluster:
             self.instances[d.url].pd_decodes += 1
         else:
             r.path, r.decode_url = NULL_PATH, w.url
+            inst.null_reqs += 1
         self._wake(inst)
 
     def _wake(self, inst: SimInstance) -> None:
@@ -377,6 +379,7 @@ class Cluster:
         inst.free(r)
         inst.assigned -= 1
         inst.pd_decodes -= r.path == PD_PATH
+        inst.null_reqs -= r.path == NULL_PATH
         if inst.handover_move is not None and not inst.handing_over():
             inst.handover_move.handed_over = self.now
             inst.handover_move = None
@@ -514,8 +517,8 @@ class Cluster:
         self._moving[url] = move
         self._record_pools()
         inst = self.instances[url]
-        move.handover = move.src == DECODE and dst in (PREFILL, NULL) and self.cfg.planner.decode_move == "handover"
-        if move.handover:  # nothing to drain
+        move.handover = (move.src, dst) in HANDOVER_SWITCHES and self.cfg.planner.decode_move == "handover"
+        if move.handover and not inst.handing_over():  # nothing to drain
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
             return
@@ -523,8 +526,12 @@ class Cluster:
         self._check_drain(inst)
 
     def _check_drain(self, inst: SimInstance) -> None:
+        """A drain ends when the worker holds nothing; a handover's wait, when the one before it has ended (the
+        live worker queues a switch asked for during a handover until then)."""
         move = self._moving.get(inst.url)
-        if move is not None and move.drained is None and inst.idle():
+        if move is None or move.drained is not None:
+            return
+        if (not inst.handing_over()) if move.handover else inst.idle():
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
 

@@ -5,7 +5,7 @@ prefill batch when one can be formed, chosen by the live admission code
 (`PrefillAdder` + `admit_waiting`, chunked at --chunked-prefill-size), else one decode step
 of the running batch. A prefill-mode server only prefills: a prefilled request's KV goes
 to its decode server (kv_transfer_seconds) and is freed here once sent; one that was a
-decode server finishes the answers it held (a handover), with as much time as its prompts. A decode-mode
+decode or null server finishes the requests it held (a handover), with as much time as its prompts. A decode-mode
 server admits transferred requests into its running batch while KV and the running limit
 allow (the first token is emitted then). Step durations come from the cost model.
 
@@ -119,6 +119,7 @@ class SimInstance:
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
         self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
+        self.null_reqs = 0  # colocated requests sent here, not yet ended (and a handover from null while > 0)
         self.largest_decode_batch = 0  # the most requests one of its decode steps ran (against the profile's points)
         self.answers_owed_s = 0.0  # a prefill server finishing handed-over answers: decode time they are owed
         self.handover_move: Any = None  # the move whose answers this server still finishes
@@ -163,8 +164,11 @@ class SimInstance:
     # ------------------------------------------------------------ choosing the next step
 
     def handing_over(self) -> bool:
-        """Switched from decode to prefill or null with answers still to finish (live: roles/handover.py)."""
-        return self.mode != DECODE and self.pd_decodes > 0
+        """Switched with its old role's requests still to finish (live: roles/handover.py): a decode server's
+        answers under prefill or null, a null server's requests under prefill."""
+        if self.mode == PREFILL:
+            return self.pd_decodes > 0 or self.null_reqs > 0
+        return self.mode == NULL and self.pd_decodes > 0
 
     def next_step(self) -> Optional[Step]:
         if self.mode == DECODE or self.arrived:
