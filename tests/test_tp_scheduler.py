@@ -297,3 +297,45 @@ def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
     assert [bout[f"old{i}"][0] for i in range(3)] == [reference_generate(p, 40) for p in old]
     assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]
     assert b.each(lambda s: (s.controller.state.value, type(s.role).__name__)) == [("IDLE", "PrefillRole")] * TP
+
+
+def test_tp_null_server_hands_its_requests_over_to_prefill_on_every_rank(pair):
+    """TP null server B switches to prefill with handover while it decodes answers, is midway through a chunked
+    prefill and holds a prompt not yet prefilled: every rank switches at once and builds the same batches, B
+    prefills for A (decode) meanwhile, and every output equals the reference."""
+    a, b, pa, pb = pair
+    assert switch(a, "decode").status_code == 200
+    own = prompts_for(9, 3)
+    for i, p in enumerate(own):
+        b.handle(GenerateReq(rid=f"own{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=30, temperature=0)))
+    deadline = time.time() + 60
+    while len(b.lead.running) < 3:
+        assert time.time() < deadline
+        b.each(lambda s: s.step())
+    rng = random.Random(9)
+    late = [[rng.randrange(1, 500) for _ in range(45)], [rng.randrange(1, 500) for _ in range(5)]]
+    b.handle(GenerateReq(rid="late0", input_ids=late[0], sampling=SamplingParams(max_new_tokens=6, temperature=0)))
+    b.each(lambda s: s.step())  # late0's first chunk
+    b.handle(GenerateReq(rid="late1", input_ids=late[1], sampling=SamplingParams(max_new_tokens=6, temperature=0)))
+    assert b.each(lambda s: s.planner.chunked_req is not None) == [True] * TP
+    got: dict = {}
+    for o in b.lead.take_outbox():
+        got.setdefault(o.rid, []).extend(o.new_token_ids)
+    for s in b.ranks[1:]:
+        s.take_outbox()
+    r = switch(b, "prefill", handover=True)
+    assert r.status_code == 200 and "5 requests the null role held" in r.message, r.message
+    assert modes(b) == [("prefill", 1)] * TP
+    new = prompts_for(10, 2)
+    for i, p in enumerate(new):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pb, bootstrap_room=rng.randrange(2**63))
+        for g in (b, a):
+            g.handle(GenerateReq(rid=f"new{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=8, temperature=0),
+                                 **f))
+    bout, aout = run([b, a])
+    for rid, toks in got.items():
+        bout[rid] = (toks + bout.get(rid, ([], None))[0], bout[rid][1])
+    assert [bout[f"own{i}"][0] for i in range(3)] == [reference_generate(p, 30) for p in own]
+    assert [bout[f"late{i}"][0] for i in range(2)] == [reference_generate(p, 6) for p in late]
+    assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]
+    assert b.each(lambda s: (s.controller.state.value, type(s.role).__name__)) == [("IDLE", "PrefillRole")] * TP
