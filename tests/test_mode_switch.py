@@ -430,6 +430,34 @@ def test_a_null_server_hands_its_requests_over_to_prefill_and_prefills_at_once()
         x.shutdown()
 
 
+@pytest.mark.parametrize("step", ["check", "cache", "init", "bootstrap", "commit"])
+def test_a_null_handover_that_fails_rolls_back_with_every_request(pair, step):
+    """A busy null server whose handover to prefill fails at any step stays null with everything it held (answers,
+    a chunked prefill, a queued prompt), and finishes each of them to the reference."""
+    n, *_ = pair
+    rng = random.Random(21)
+    own = [(f"own{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 16))], 30) for i in range(3)]
+    own += [("chunked", [rng.randrange(1, 500) for _ in range(45)], 8), ("queued", [7, 8, 9], 8)]
+    out: dict = {}
+    for rid, prompt, k in own[:3]:
+        n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=k, temperature=0)))
+    run_all([n], out, lambda: len(n.running) == 3)
+    for rid, prompt, k in own[3:]:
+        n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=k, temperature=0)))
+        if rid == "chunked":
+            n.step()
+    assert n.planner.chunked_req is not None
+    n.controller.faults.step = step
+    r = switch(n, "prefill", handover=True)
+    assert r.status_code >= 500 and step in r.message and "rolled back" in r.message, r.message
+    assert n.role.name == "null" and n.controller.epoch == 0 and n.controller.state.value == "IDLE"
+    n.controller.faults.step = None
+    run_all([n], out, lambda: finished(out, n, own))
+    assert all(out[id(n)][rid][0] == reference_generate(prompt, k) for rid, prompt, k in own)
+    assert n.is_idle()
+    n.check_integrity()
+
+
 def test_handed_over_answers_retracted_under_prefill_are_prefilled_and_decoded_there():
     """A prefill server whose handed-over answers run out of KV retracts some: they are prefilled again
     from prompt and output so far and decoded there, to the reference."""
