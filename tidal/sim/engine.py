@@ -105,8 +105,8 @@ class Move:
     drained: Optional[float] = None
     ended: Optional[float] = None
     outcome: str = ""
-    handover: bool = False  # a decode worker switching at once, its answers finished in the new role
-    handed_over: Optional[float] = None  # a handover: when the worker had finished the answers it held
+    handover: bool = False  # switching without a drain (HANDOVER_SWITCHES), what it held finished in the new role
+    handed_over: Optional[float] = None  # a handover: when the worker had finished the requests it held
 
 
 class Cluster:
