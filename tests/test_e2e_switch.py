@@ -63,7 +63,7 @@ def test_admin_api_status_codes():
         assert r.status_code == 200 and r.json()["current_mode"] == "null"
         assert gen(s.url, PROMPTS[1], 4).status_code == 200
         wrong = httpx.post(s.url + "/generate", json={"text": "hi"}, headers={"X-Tidal-Expected-Mode": "decode"})
-        assert wrong.status_code == 409
+        assert wrong.status_code == 409 and wrong.json()["error"]["type"] == "ConflictError", wrong.text
     finally:
         s.stop()
 

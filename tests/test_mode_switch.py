@@ -375,6 +375,7 @@ def test_handover_where_the_new_role_cannot_finish_the_requests_is_the_usual_swi
     a.handle(GenerateReq(rid="busy", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=50)))
     r = switch(a, "decode", handover=True)
     assert r.status_code == 503 and "queues not empty" in r.message and a.role.name == "null"
+    assert "a handover applies to decode -> prefill, decode -> null, null -> prefill only" in r.message
     assert switch(b, "prefill").status_code == 200
     b.handle(GenerateReq(rid="pd", input_ids=[1, 2, 3], sampling=SamplingParams(max_new_tokens=5),
                          bootstrap_host="127.0.0.1", bootstrap_port=free_port(), bootstrap_room=7))
@@ -425,6 +426,33 @@ def test_a_null_server_hands_its_requests_over_to_prefill_and_prefills_at_once()
         assert type(n.role).__name__ == "PrefillRole" and n.controller.last_timings_ms["handover"] > 0
         n.check_integrity()
         x.check_integrity()
+    finally:
+        n.shutdown()
+        x.shutdown()
+
+
+def test_a_running_batch_full_of_handed_over_answers_does_not_hold_back_the_pd_prompts():
+    """N (null, at most 2 running) hands 2 answers and 2 queued prompts over to prefill: the queued prompts wait for
+    a running slot, and the PD prompts that come after are prefilled and sent meanwhile (they take none)."""
+    pn, px = free_port(), free_port()
+    n, x = make(pn, "null", max_running_requests=2), make(px, "decode")
+    try:
+        rng = random.Random(31)
+        own = [(f"own{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 16))]) for i in range(4)]
+        for rid, prompt in own:
+            n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=60, temperature=0)))
+        out: dict = {}
+        run_all([n], out, lambda: len(n.running) == 2 and all(len(r.output_ids) >= 3 for r in n.running))
+        assert len(n.waiting_queue) == 2
+        assert switch(n, "prefill", handover=True).status_code == 200
+        new = pd_prompts(pn, 2, "new", 32)
+        send_pd(n, x, new, 4)
+        run_all([n, x], out, lambda: finished(out, x, new))
+        assert not any(finished(out, n, [req]) for req in own)  # none of the held requests has ended yet
+        run_all([n, x], out, lambda: finished(out, n, own) and n.controller.state.value == "IDLE")
+        assert all(out[id(n)][rid][0] == reference_generate(prompt, 60) for rid, prompt in own)
+        assert all(out[id(x)][rid][0] == reference_generate(prompt, 4) for rid, prompt, _ in new)
+        n.check_integrity()
     finally:
         n.shutdown()
         x.shutdown()

@@ -239,6 +239,25 @@ def test_a_handover_asked_during_a_handover_waits_for_it():
     assert second.ended == pytest.approx(r.finished_at + 0.25) and c.registry.get(worker[0]).mode == "prefill"
 
 
+def test_a_prefill_server_whose_running_batch_is_full_of_handed_over_answers_still_prefills_pd_prompts():
+    """Max 2 running: two handed-over answers fill the batch. A handed-over prompt waits for a slot, and the PD
+    prompt behind it (sent to another decode server) is prefilled at once, as by the live admission."""
+    from tidal.config import ServerArgs
+    from tidal.sim.instance import SimInstance, SimReq
+
+    inst = SimInstance("p", "prefill", flat_cost(), Limits(ServerArgs(max_running_requests=2)))
+    for i in range(2):
+        r = SimReq(i, 0.0, 10, 50)
+        r.decode_url, r.generated, r.kv_len, r.computed, r.req_pool_idx = "p", 5, 15, 15, 0
+        inst.running.append(r)
+        inst.kv_used += r.kv_len
+    held, pd = SimReq(2, 0.0, 10, 50), SimReq(3, 1.0, 10, 50)
+    held.decode_url, pd.decode_url = "p", "d"
+    inst.waiting = [held, pd]
+    step = inst._prefill_step()
+    assert step.kind == "prefill" and step.reqs == [pd] and inst.waiting == [held]
+
+
 def test_a_decode_worker_set_to_drain_switches_once_its_answer_ends():
     """`--planner-decode-move drain`: the decode worker leaves its pool, finishes its answer, then switches."""
     cfg = SimConfig(prefill=1, decode=2, planner=PlannerConfig(decode_move="drain"))

@@ -96,7 +96,11 @@ class ModeController:
         if not self._ready(pending):
             if not msg.drain:
                 self._to_idle()
-                return self._reply(msg, 503, f"queues not empty: {self.queue_sizes()}; retry or use drain")
+                why = f"queues not empty: {self.queue_sizes()}; retry or use drain"
+                if msg.handover and not pending.handover:
+                    pairs = ", ".join(f"{a} -> {b}" for a, b in HANDOVER_SWITCHES)
+                    why += f" (a handover applies to {pairs} only)"
+                return self._reply(msg, 503, why)
             self.state, self.pending = TransitionState.DRAINING, pending
             logger.info("draining for a switch to %s (timeout %.1fs)", msg.mode, msg.timeout_s)
             return None

@@ -7,7 +7,7 @@ prefills, decode only decodes.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -75,10 +75,11 @@ class BatchPlanner:
         return build_extend_batch(adder.can_run_list, mem, s.runner.kv_pool)
 
     def _admit(self) -> Optional[PrefillAdder]:
-        """An adder filled from the waiting queue, or None when the running batch is full."""
+        """An adder filled from the waiting queue, or None when the running batch is full (and every
+        request joins it)."""
         s, mem = self.s, self.s.mem
         running_bs = len(s.running)
-        if running_bs >= s.max_running_requests and self.chunked_req is None:
+        if running_bs >= s.max_running_requests and self.chunked_req is None and self._decodes_here() is None:
             return None
         adder = PrefillAdder(
             mem.tree_cache, mem.allocator, self._running_and_chunked(), self.new_token_ratio,
@@ -159,7 +160,16 @@ class BatchPlanner:
         tree_cache = s.mem.tree_cache
         waiting = s.lora.admissible(s.waiting_queue, self._running_and_chunked())
         admit_waiting(adder, waiting, running_bs, s.max_running_requests,
-                      s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache))
+                      s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache),
+                      self._decodes_here())
+
+    def _decodes_here(self) -> Optional[Callable[[Req], bool]]:
+        """Which prefilled requests join the running batch: under prefill only those without a PD partner
+        (handed over; an embedding is counted among them), so the answers handed over to it do not hold back
+        its PD prompts; else all (None)."""
+        if self.s.role.name != "prefill":
+            return None
+        return lambda req: req.pd is None
 
     def prefill_or_decode(self) -> Optional[ScheduleBatch]:
         """Prefill first (new or retracted requests), else one decode step of the running batch."""

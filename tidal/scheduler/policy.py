@@ -12,6 +12,12 @@ from tidal.scheduler.req import Req
 # Decode tokens reserved per request are clipped so a huge max_new_tokens does not
 # starve admission; retraction covers the rare request that really runs that long.
 CLIP_MAX_NEW_TOKENS = 4096
+
+
+def request_slots(max_running_requests: int) -> int:
+    """Rows of a server's request-to-token table: the running batch's, and a second set for requests that hold
+    KV outside it (a decode server's pre-allocated ones, a prefill server's sending theirs)."""
+    return 2 * max_running_requests + 8
 # lpm / dfs-weight cost a prefix match per waiting request; past this queue length
 # they fall back to fcfs so scheduling stays O(1) per request.
 PREFIX_POLICY_MAX_QUEUE = 128
@@ -183,20 +189,33 @@ class PrefillAdder:
 
 
 def admit_waiting(adder: PrefillAdder, waiting: list, running_bs: int, max_running_requests: int,
-                  free_slots: int, match: Callable[[Any], None]) -> None:
+                  free_slots: int, match: Callable[[Any], None],
+                  decodes_here: Optional[Callable[[Any], bool]] = None) -> None:
     """Fill `adder` from the waiting queue, in order, until a budget stops it.
 
     Stops at the first request that does not fit (no skipping ahead), once a chunked request
     was started, at `max_running_requests` (running plus admitted), or when the new requests
     would take more than `free_slots` request slots. `match` sets a request's cached prefix
     before it is tried. Pure over its arguments: the live scheduler and `tidal sim` call it.
+
+    `decodes_here` (None: every request): whether a request joins the running batch once
+    prefilled. One that does not (a PD prompt on a prefill server) takes no running slot, only
+    a place in the batch (at most `max_running_requests`); one that does waits while the
+    running batch is full, and such a request behind it goes ahead.
     """
+    joining = sum(1 for r in adder.can_run_list if decodes_here is None or decodes_here(r))
     for req in waiting:
         if adder.new_chunked_req is not None:
             break
         n_new = sum(1 for r in adder.can_run_list if r.req_pool_idx is None)
-        if running_bs + len(adder.can_run_list) >= max_running_requests or n_new >= free_slots:
+        if len(adder.can_run_list) >= max_running_requests or n_new >= free_slots:
             break
+        joins = decodes_here is None or decodes_here(req)
+        if joins and running_bs + joining >= max_running_requests:
+            if decodes_here is None:
+                break
+            continue
         match(req)
         if adder.add_one_req(req) != AddResult.CONTINUE:
             break
+        joining += joins

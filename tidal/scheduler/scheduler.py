@@ -37,6 +37,7 @@ from tidal.scheduler.embedding import NOT_EMBEDDING_SERVER, Embedder
 from tidal.scheduler.lora import LoRAScheduling
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.overlap import PENDING, ForwardThread, InFlight, input_ids_from
+from tidal.scheduler.policy import request_slots
 from tidal.scheduler.priority import PriorityRules
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
@@ -64,8 +65,7 @@ class Scheduler:
         self.mem = KVMemory(
             max_total_tokens=runner.max_total_tokens,
             page_size=args.page_size,
-            # a second set of rows for decode's pre-allocated (transferring) requests
-            max_reqs=2 * args.max_running_requests + 8,
+            max_reqs=request_slots(args.max_running_requests),
             max_context_len=self.context_length + args.page_size + 8,
             disable_radix_cache=args.disable_radix_cache,
             device=runner.device,

@@ -21,11 +21,15 @@ from tidal.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-_ERROR_TYPES = {
+_ERROR_TYPES = {  # the OpenAI client's exception names where it has one
     400: "BadRequestError",
     401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
+    409: "ConflictError",
     413: "RequestTooLargeError",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
     504: "TimeoutError",

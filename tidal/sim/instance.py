@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import Any, Callable, Optional
 
 from tidal.config import ServerArgs
-from tidal.scheduler.policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, admit_waiting
+from tidal.scheduler.policy import CLIP_MAX_NEW_TOKENS, PrefillAdder, admit_waiting, request_slots
 
 PREFILL, DECODE, NULL = "prefill", "decode", "null"
 
@@ -200,15 +200,18 @@ class SimInstance:
         if not self.waiting and self.chunked is None:
             return None
         running_bs = len(self.running)
-        if running_bs >= lim.max_running and self.chunked is None:
+        # a prefill server's PD prompts leave once prefilled: answers handed over to it do not hold them back
+        decodes_here = (lambda r: r.decode_url == self.url) if self.mode == PREFILL else None
+        if running_bs >= lim.max_running and self.chunked is None and decodes_here is None:
             return None
         held = self.running + ([self.chunked] if self.chunked is not None else [])
         adder = PrefillAdder(NO_CACHE, self, held, self.new_token_ratio, lim.max_prefill_tokens, lim.chunk,
                              lim.page_size)
         if self.chunked is not None:
             adder.add_chunked_req(self.chunked)
-        admit_waiting(adder, self.waiting, running_bs, lim.max_running, lim.max_running - running_bs,
-                      SimReq.match)
+        # request slots: the running batch's (where the running limit binds first), else the live table's rows
+        free = lim.max_running - running_bs if decodes_here is None else request_slots(lim.max_running) - len(held)
+        admit_waiting(adder, self.waiting, running_bs, lim.max_running, free, SimReq.match, decodes_here)
         if not adder.can_run_list:
             return None
         admitted = {id(r) for r in adder.can_run_list}
