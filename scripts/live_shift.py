@@ -150,7 +150,7 @@ def merge_decisions(seen: dict[float, dict], decisions: list[dict], t: float, t0
             rec["at_s"] = round(d["at_unix"] - t0, 3)
         if d["kind"] == "move":
             rec.update(url=d["url"], src=d["src"], dst=d["dst"], outcome=d["outcome"],
-                       timings_ms=d.get("timings_ms") or {})
+                       timings_ms=d.get("timings_ms") or {}, worker_message=d.get("worker_message") or "")
 
 
 def track_handover(handovers: list[dict], worker: str, status: dict, t: float) -> None:
@@ -250,7 +250,8 @@ def print_tables(result: dict) -> None:
               f"{ph['failed']} | {ph['ttft_p50_ms']:.0f} | {ph['tpot_p50_ms']:.1f} |")
     for m in result["moves"]:
         took = "".join(f", {k} {v:.0f} ms" for k, v in (m.get("timings_ms") or {}).items())
-        print(f"move at {m['seen_t']} s: {m['src']} -> {m['dst']} ({m['outcome']}{took}): {m['reason']}")
+        said = f"; the worker: {m['worker_message']}" if m.get("worker_message") else ""
+        print(f"move at {m['seen_t']} s: {m['src']} -> {m['dst']} ({m['outcome']}{took}): {m['reason']}{said}")
     for h in result.get("handovers", []):
         print(f"handover of {h['url']} to {h['mode']}: seen at {h['seen_t']} s, ended by {h['ended_t']} s, "
               f"{h['handover_ms']} ms by the worker")

@@ -242,7 +242,7 @@ class MockWorker:
                                      "current_mode": self.role, "epoch": self.epoch}, status_code=500)
             self.role, self.epoch = mode, self.epoch + 1
             return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch,
-                                 "timings_ms": {"drain": 0.0, "switch": 1.5}})
+                                 "timings_ms": {"drain": 0.0, "switch": 1.5}, "message": f"switched to {mode}"})
 
         @app.get("/v1/models")
         async def models() -> Response:

@@ -31,10 +31,11 @@ def test_a_decision_is_kept_once_with_the_time_it_was_first_seen():
     hold = {"at": 50.0, "kind": "hold", "reason": "2 move(s) in flight"}
     earlier = {"at": 48.0, "kind": "hold", "reason": "cooldown"}
     live_shift.merge_decisions(seen, [hold, move2, move, earlier], t=10.0)
-    landed = {**move, "outcome": "ok", "timings_ms": {"drain": 0.0, "switch": 3.2}}
+    landed = {**move, "outcome": "ok", "timings_ms": {"drain": 0.0, "switch": 3.2}, "worker_message": "switched"}
     live_shift.merge_decisions(seen, [hold, {**move2, "outcome": "ok"}, landed, earlier], t=12.0)
     assert seen[50.0, "move", "u"] == {"seen_t": 10.0, "kind": "move", "reason": "r", "url": "u", "src": "null",
-                                       "dst": "decode", "outcome": "ok", "timings_ms": {"drain": 0.0, "switch": 3.2}}
+                                       "dst": "decode", "outcome": "ok", "timings_ms": {"drain": 0.0, "switch": 3.2},
+                                       "worker_message": "switched"}
     assert seen[50.0, "move", "v"]["src"] == "prefill" and seen[50.0, "move", "v"]["outcome"] == "ok"
     assert seen[50.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "2 move(s) in flight"}
     assert seen[48.0, "hold", ""] == {"seen_t": 10.0, "kind": "hold", "reason": "cooldown"}

@@ -65,6 +65,7 @@ def test_planner_moves_a_decode_worker_to_the_starved_prefill_pool(workers, tmp_
     moves = [d for d in status["decisions"] if d["kind"] == "move"]
     assert len(moves) == 1 and moves[0]["outcome"] == "ok" and moves[0]["dst"] == "prefill"
     assert moves[0]["timings_ms"] == {"drain": 0.0, "switch": 1.5}  # the worker's, as it answered the switch
+    assert moves[0]["worker_message"] == "switched to prefill"
     assert moves[0]["current"]["paths"]["pd"]["ttft_s"] > 3.0
     assert status["decisions"][0]["kind"] == "hold" and status["traffic"]["arrival_rate"] > 0
     assert abs(moves[0]["at_unix"] - time.time()) < 60  # the wall clock's, to match the log lines

@@ -197,10 +197,13 @@ class PlannerLoop:
         d.outcome = "ok" if ok else f"failed: {(body.get('error') or {}).get('message', status)}"
         if ok and isinstance(body.get("timings_ms"), dict):
             d.timings_ms = {k: v for k, v in body["timings_ms"].items() if isinstance(v, (int, float))}
+        if ok:
+            d.worker_message = str(body.get("message") or "")
         self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
         log = logger.info if ok else logger.warning
         took = "".join(f", {k} {v:.0f} ms" for k, v in d.timings_ms.items())
-        log("planner: move %s %s->%s %s%s", d.url, d.src, d.dst, d.outcome, took)
+        said = f" ({d.worker_message})" if d.worker_message else ""
+        log("planner: move %s %s->%s %s%s%s", d.url, d.src, d.dst, d.outcome, took, said)
         if ok:
             self._walk_on()
 

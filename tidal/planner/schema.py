@@ -117,8 +117,10 @@ class Decision(msgspec.Struct, kw_only=True):
     candidates: list[Candidate] = []
     target: Optional[Prediction] = None  # the best layout found, which the moves head for
     outcome: str = ""  # for moves, once done: "ok" or "failed: ..."
-    # a move that landed: the worker's own timings of its switch (drain, switch; ms), drain 0 for a handover
+    # a move that landed: the worker's own timings of its switch (drain, switch; ms), drain 0 for a handover,
+    # and its message (how many requests it handed over, if it did)
     timings_ms: dict[str, float] = {}
+    worker_message: str = ""
     answers: Optional[float] = None  # a move's: the mean answer of the traffic it was decided on
 
 

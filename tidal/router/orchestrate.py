@@ -103,7 +103,7 @@ class RoleMover:
             await self._learn(w, mode, epoch)
             logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
             return 200, {"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
-                         "timings_ms": body.get("timings_ms", {})}
+                         "timings_ms": body.get("timings_ms", {}), "message": str(body.get("message") or "")}
         finally:
             w.switching = False
 
