@@ -36,6 +36,15 @@ def gen(url: str, text: str, n: int = 16) -> httpx.Response:
     return httpx.post(url + "/generate", json=body, timeout=120)
 
 
+def stream_into(url: str, body: dict, got: list, first_token: threading.Event) -> None:
+    """POST a streamed /generate; `got` holds the output ids so far, `first_token` is set with the first."""
+    with httpx.stream("POST", url + "/generate", json=body, timeout=300) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got[:] = json.loads(line[6:])["output_ids"]
+                first_token.set()
+
+
 def test_admin_api_status_codes():
     s = dynamic_server("--admin-api-key", KEY)
     try:
@@ -122,14 +131,7 @@ def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on():
                 "bootstrap_port": bport, "bootstrap_room": room}
         got, first_token = [], threading.Event()
 
-        def stream() -> None:
-            with httpx.stream("POST", b.url + "/generate", json={**body, "stream": True}, timeout=300) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        got[:] = json.loads(line[6:])["output_ids"]
-                        first_token.set()
-
-        t = threading.Thread(target=stream)
+        t = threading.Thread(target=stream_into, args=(b.url, {**body, "stream": True}, got, first_token))
         t.start()
         assert httpx.post(a.url + "/generate", json=body, timeout=300).status_code == 200  # A's prefill leg
         assert first_token.wait(120)
@@ -178,14 +180,7 @@ def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on
         body = {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
                 "stream": True}
 
-        def stream() -> None:
-            with httpx.stream("POST", a.url + "/generate", json=body, timeout=300) as r:
-                for line in r.iter_lines():
-                    if line.startswith("data: {"):
-                        got[:] = json.loads(line[6:])["output_ids"]
-                        first_token.set()
-
-        t = threading.Thread(target=stream)
+        t = threading.Thread(target=stream_into, args=(a.url, body, got, first_token))
         t.start()
         assert first_token.wait(120)
         r = switch(a.url, "prefill", handover=True, drain=False)

@@ -251,6 +251,30 @@ def test_poll_agreement_fences_failures():
     assert poll_and_all_reduce(mine[:2], None) == [S, T]
 
 
+def take_lead_outputs(g: RankGroup) -> dict:
+    """Rank 0's tokens so far per request (the other ranks' outboxes emptied too)."""
+    got: dict = {}
+    for o in g.lead.take_outbox():
+        got.setdefault(o.rid, []).extend(o.new_token_ids)
+    for s in g.ranks[1:]:
+        s.take_outbox()
+    return got
+
+
+def prefill_new_for(p: RankGroup, d: RankGroup, port: int, prompts: list, rng: random.Random, got: dict):
+    """PD requests new0.. prefilled on p for d, run with everything else to the end; p's outputs with `got` (its
+    tokens before) in front."""
+    for i, prompt in enumerate(prompts):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=rng.randrange(2**63))
+        for g in (p, d):
+            g.handle(GenerateReq(rid=f"new{i}", input_ids=prompt,
+                                 sampling=SamplingParams(max_new_tokens=8, temperature=0), **f))
+    pout, dout = run([p, d])
+    for rid, toks in got.items():
+        pout[rid] = (toks + pout.get(rid, ([], None))[0], pout[rid][1])
+    return pout, dout
+
+
 def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
     """TP decode server B hands its answers over to prefill while they decode: every rank builds the same
     batches (rank 0's clock decides when the answers are owed time), B prefills for A (now decode) at once,
@@ -269,11 +293,7 @@ def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
         assert time.time() < deadline
         for g in (a, b):
             g.each(lambda s: s.step())
-    got: dict = {}
-    for o in b.lead.take_outbox():
-        got.setdefault(o.rid, []).extend(o.new_token_ids)
-    for s in b.ranks[1:]:
-        s.take_outbox()
+    got = take_lead_outputs(b)
     r = switch(b, "prefill", handover=True)
     assert r.status_code == 200 and "handover" in r.message, r.message
     assert modes(b) == [("prefill", 2)] * TP
@@ -286,14 +306,7 @@ def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
         reply = replies[0] if replies else None
     assert reply.status_code == 200 and modes(a) == [("decode", 2)] * TP
     new = prompts_for(8, 2)
-    for i, p in enumerate(new):
-        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pb, bootstrap_room=rng.randrange(2**63))
-        for g in (b, a):
-            g.handle(GenerateReq(rid=f"new{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=8, temperature=0),
-                                 **f))
-    bout, aout = run([b, a])
-    for rid, toks in got.items():
-        bout[rid] = (toks + bout.get(rid, ([], None))[0], bout[rid][1])
+    bout, aout = prefill_new_for(b, a, pb, new, rng, got)
     assert [bout[f"old{i}"][0] for i in range(3)] == [reference_generate(p, 40) for p in old]
     assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]
     assert b.each(lambda s: (s.controller.state.value, type(s.role).__name__)) == [("IDLE", "PrefillRole")] * TP
@@ -318,23 +331,12 @@ def test_tp_null_server_hands_its_requests_over_to_prefill_on_every_rank(pair):
     b.each(lambda s: s.step())  # late0's first chunk
     b.handle(GenerateReq(rid="late1", input_ids=late[1], sampling=SamplingParams(max_new_tokens=6, temperature=0)))
     assert b.each(lambda s: s.planner.chunked_req is not None) == [True] * TP
-    got: dict = {}
-    for o in b.lead.take_outbox():
-        got.setdefault(o.rid, []).extend(o.new_token_ids)
-    for s in b.ranks[1:]:
-        s.take_outbox()
+    got = take_lead_outputs(b)
     r = switch(b, "prefill", handover=True)
     assert r.status_code == 200 and "5 requests the null role held" in r.message, r.message
     assert modes(b) == [("prefill", 1)] * TP
     new = prompts_for(10, 2)
-    for i, p in enumerate(new):
-        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pb, bootstrap_room=rng.randrange(2**63))
-        for g in (b, a):
-            g.handle(GenerateReq(rid=f"new{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=8, temperature=0),
-                                 **f))
-    bout, aout = run([b, a])
-    for rid, toks in got.items():
-        bout[rid] = (toks + bout.get(rid, ([], None))[0], bout[rid][1])
+    bout, aout = prefill_new_for(b, a, pb, new, rng, got)
     assert [bout[f"own{i}"][0] for i in range(3)] == [reference_generate(p, 30) for p in own]
     assert [bout[f"late{i}"][0] for i in range(2)] == [reference_generate(p, 6) for p in late]
     assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]

@@ -195,9 +195,10 @@ class PlannerLoop:
         ok = status == 200
         self.state.finished(self.clock(), d.url, ok, self.cfg)
         d.outcome = "ok" if ok else f"failed: {(body.get('error') or {}).get('message', status)}"
-        if ok and isinstance(body.get("timings_ms"), dict):
-            d.timings_ms = {k: v for k, v in body["timings_ms"].items() if isinstance(v, (int, float))}
         if ok:
+            timings = body.get("timings_ms")
+            d.timings_ms = {k: v for k, v in (timings if isinstance(timings, dict) else {}).items()
+                            if isinstance(v, (int, float))}
             d.worker_message = str(body.get("message") or "")
         self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
         log = logger.info if ok else logger.warning

@@ -115,10 +115,13 @@ class ModeController:
             return self.s.planner.chunked_req is None or self._keeps_cache(p.msg.mode)
         return self.s.is_idle()
 
+    def _wants_radix(self, mode: str) -> bool:
+        """Whether the role `mode` shares prefixes (decode never does)."""
+        return mode != "decode" and not self.s.args.disable_radix_cache
+
     def _keeps_cache(self, mode: str) -> bool:
-        """The role `mode` uses the prefix cache there is (null <-> prefill; decode shares no prefixes)."""
-        current_is_radix = not getattr(self.s.mem.tree_cache, "disable", False)
-        return current_is_radix == (mode != "decode" and not self.s.args.disable_radix_cache)
+        """The role `mode` uses the prefix cache there is (null <-> prefill)."""
+        return self._wants_radix(mode) == (not getattr(self.s.mem.tree_cache, "disable", False))
 
     def _invalid(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
@@ -269,7 +272,7 @@ class ModeController:
         mem = self.s.mem
         if self._keeps_cache(mode):
             return None
-        want_radix = mode != "decode" and not self.s.args.disable_radix_cache
+        want_radix = self._wants_radix(mode)
         if not want_radix and mem.tree_cache.total_size() > 0 and not flush:
             raise SwitchFailed("decode needs an empty prefix cache: it holds entries and flush_cache is false", 409)
         return mem.make_cache(radix=want_radix)

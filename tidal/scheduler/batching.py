@@ -79,7 +79,8 @@ class BatchPlanner:
         request joins it)."""
         s, mem = self.s, self.s.mem
         running_bs = len(s.running)
-        if running_bs >= s.max_running_requests and self.chunked_req is None and self._decodes_here() is None:
+        decodes_here = self._decodes_here()
+        if running_bs >= s.max_running_requests and self.chunked_req is None and decodes_here is None:
             return None
         adder = PrefillAdder(
             mem.tree_cache, mem.allocator, self._running_and_chunked(), self.new_token_ratio,
@@ -87,7 +88,7 @@ class BatchPlanner:
         )
         if self.chunked_req is not None:
             adder.add_chunked_req(self.chunked_req)
-        self._admit_waiting(adder, running_bs)
+        self._admit_waiting(adder, running_bs, decodes_here)
         return adder
 
     def _running_and_chunked(self) -> list[Req]:
@@ -155,13 +156,14 @@ class BatchPlanner:
                 return n
         return 0
 
-    def _admit_waiting(self, adder: PrefillAdder, running_bs: int) -> None:
+    def _admit_waiting(self, adder: PrefillAdder, running_bs: int,
+                       decodes_here: Optional[Callable[[Req], bool]]) -> None:
         s = self.s
         tree_cache = s.mem.tree_cache
         waiting = s.lora.admissible(s.waiting_queue, self._running_and_chunked())
         admit_waiting(adder, waiting, running_bs, s.max_running_requests,
                       s.mem.req_to_token_pool.available_size(), lambda req: match_prefix_for(req, tree_cache),
-                      self._decodes_here())
+                      decodes_here)
 
     def _decodes_here(self) -> Optional[Callable[[Req], bool]]:
         """Which prefilled requests join the running batch: under prefill only those without a PD partner

@@ -12,15 +12,15 @@ from tidal.scheduler.req import Req
 # Decode tokens reserved per request are clipped so a huge max_new_tokens does not
 # starve admission; retraction covers the rare request that really runs that long.
 CLIP_MAX_NEW_TOKENS = 4096
+# lpm / dfs-weight cost a prefix match per waiting request; past this queue length
+# they fall back to fcfs so scheduling stays O(1) per request.
+PREFIX_POLICY_MAX_QUEUE = 128
 
 
 def request_slots(max_running_requests: int) -> int:
     """Rows of a server's request-to-token table: the running batch's, and a second set for requests that hold
     KV outside it (a decode server's pre-allocated ones, a prefill server's sending theirs)."""
     return 2 * max_running_requests + 8
-# lpm / dfs-weight cost a prefix match per waiting request; past this queue length
-# they fall back to fcfs so scheduling stays O(1) per request.
-PREFIX_POLICY_MAX_QUEUE = 128
 
 
 class SchedulePolicy:
