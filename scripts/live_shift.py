@@ -7,11 +7,15 @@ a profile of this host.
 
     PYTHONPATH=$PWD python3 scripts/live_shift.py --planner-profile PROFILE.json --output live_shift.json
 
-Writes a JSON (phases with their bench summary, pools and the planner's traffic view over time,
-every move decision with its reason, outcome and start time, each worker's handover, every
-request's record with its send time from the run's start) and prints a table of pools over
+Writes a JSON (phases with their bench summary and SLO attainment, pools and the planner's traffic
+view over time, every move decision with its reason, outcome and start time, each worker's handover,
+every request's record with its send time from the run's start) and prints a table of pools over
 time and one of the phases. `tidal sim calibrate --bench-json` replays that JSON
 (docs/elasticity.md, "Calibration with moves").
+
+`--layout P:D:N --planner static` runs the same load on a fixed layout: with the phases' rates
+given (the first run prints them), the runs compare the planner with each static layout by the share
+of requests that met both SLOs (docs/elasticity.md, "Live run").
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from typing import Any
 import httpx
 import msgspec
 
+from tidal.bench.metrics import RequestRecord, meets_slos
 from tidal.planner.decide import best_layout, make_predictor
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
 from tidal.planner.loop import load_cost_model
@@ -67,15 +72,30 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="extra `tidal cluster` flags (default: SLOs 3000/150 ms, interval 2 s, cooldown 20 s, "
                         "window 20 s: a few-minute run's; the cooldown as long as the window, which holds the "
                         "traffic from before a move for that long)")
+    p.add_argument("--layout", default="1:1:1", metavar="P:D:N",
+                   help="the servers the cluster starts with: prefill, decode and null (default: 1:1:1)")
+    p.add_argument("--planner", choices=("sla", "static"), default="sla",
+                   help="sla: the planner moves roles; static: the layout stays (default: sla)")
     p.add_argument("--output", default="live_shift.json", help="the JSON written (default: live_shift.json)")
     ns = p.parse_args(argv)
     if not ns.rate_headroom > 0:
         p.error("--rate-headroom must be > 0")
+    ns.layout = parse_layout(p, ns.layout)
     if "--planner-profile" in ns.cluster_args:
         p.error("give the cluster's profile as --planner-profile, not in --cluster-args (auto rates use it too)")
     for flag in ("prefill_heavy", "decode_heavy"):
         setattr(ns, flag, phase_traffic(p, flag, *getattr(ns, flag)))
     return ns
+
+
+def parse_layout(p: argparse.ArgumentParser, text: str) -> tuple[int, int, int]:
+    try:
+        layout = tuple(int(x) for x in text.split(":"))
+    except ValueError:
+        layout = ()
+    if len(layout) != 3 or min(layout) < 0 or not (layout[2] > 0 or min(layout[:2]) > 0):
+        p.error(f"--layout {text!r}: P:D:N server counts, with a prefill and a decode server or a null one")
+    return layout
 
 
 def phase_traffic(p: argparse.ArgumentParser, flag: str, inp: str, out: str, rate: str) -> tuple:
@@ -120,9 +140,11 @@ def resolve_rates(ns: argparse.Namespace) -> None:
 
 
 def cluster_cmd(ns: argparse.Namespace) -> list[str]:
-    return [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--worker", "1",
-            "--planner", "sla", "--planner-profile", ns.planner_profile, "--port", str(ns.port), "--base-port",
-            str(ns.port + 1), "--bootstrap-base-port", str(ns.port + 10), *shlex.split(ns.cluster_args)]
+    prefill, decode, null = ns.layout
+    return [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", str(prefill), "--decode", str(decode),
+            "--worker", str(null), "--planner", ns.planner, "--planner-profile", ns.planner_profile,
+            "--port", str(ns.port), "--base-port", str(ns.port + 1), "--bootstrap-base-port", str(ns.port + 10),
+            *shlex.split(ns.cluster_args)]
 
 
 def wait_ready(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
@@ -202,7 +224,8 @@ class Poller(threading.Thread):
                 ws = httpx.get(worker + "/admin/disaggregation_status", timeout=5).json()
             except (httpx.HTTPError, ValueError):
                 continue
-            track_handover(self.handovers, worker, ws, t)
+            # the worker's own time: on a loaded host its answer can come seconds after the planner's
+            track_handover(self.handovers, worker, ws, round(time.time() - self.t0, 1))
 
 
 def bench_phase(ns: argparse.Namespace, kind: str, k: int, out_dir: str, start_s: float) -> tuple[dict, list[dict]]:
@@ -229,6 +252,17 @@ def phase_records(records: list[dict], k: int, start_s: float) -> list[dict]:
     return [{**r, "start": round(start_s + r["start"], 6), "phase": k} for r in records]
 
 
+def slo_attainment(records: list[dict], cfg: PlannerConfig) -> float:
+    """The share of the requests that succeeded within both of the planner's SLOs (TTFT, and TPOT where an
+    answer has more than one token), as `tidal bench --goodput` counts them."""
+    if not records:
+        return 0.0
+    slos = {"ttft": cfg.ttft_slo_s * 1000, "tpot": cfg.tpot_slo_s * 1000}
+    fields = RequestRecord.__dataclass_fields__
+    met = sum(meets_slos(RequestRecord(**{k: v for k, v in r.items() if k in fields}), slos) for r in records)
+    return round(met / len(records), 4)
+
+
 def pool_changes(pools: list[dict]) -> list[dict]:
     """The polls where the P/D/N/moving counts changed (and the first and last)."""
     out = []
@@ -243,11 +277,12 @@ def print_tables(result: dict) -> None:
     print("| t (s) | P | D | N | moving | phase |\n|---|---|---|---|---|---|")
     for p in pool_changes(result["pools"]):
         print(f"| {p['t']:.0f} | {p['prefill']} | {p['decode']} | {p['null']} | {p['moving']} | {p.get('phase', '')} |")
-    print("\n| phase | kind | in/out tokens | rate | requests | failed | TTFT p50 (ms) | TPOT p50 (ms) |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("\n| phase | kind | in/out tokens | rate | requests | failed | TTFT p50 (ms) | TPOT p50 (ms) | SLOs met |\n"
+          "|---|---|---|---|---|---|---|---|---|")
     for ph in result["phases"]:
         print(f"| {ph['phase']} | {ph['kind']} | {ph['input']}/{ph['output']} | {ph['rate']} | {ph['requests']} | "
-              f"{ph['failed']} | {ph['ttft_p50_ms']:.0f} | {ph['tpot_p50_ms']:.1f} |")
+              f"{ph['failed']} | {ph['ttft_p50_ms']:.0f} | {ph['tpot_p50_ms']:.1f} | {ph['slo_met']:.3f} |")
+    print(f"\nSLOs met over the run: {result['slo_met']:.3f} of {len(result['requests'])} requests")
     for m in result["moves"]:
         took = "".join(f", {k} {v:.0f} ms" for k, v in (m.get("timings_ms") or {}).items())
         said = f"; the worker: {m['worker_message']}" if m.get("worker_message") else ""
@@ -260,8 +295,10 @@ def print_tables(result: dict) -> None:
 def main(argv=None) -> int:
     ns = parse_args(argv)
     resolve_rates(ns)
+    slos = cluster_planner(ns.cluster_args)
     print(f"phases at {ns.prefill_heavy[2]}/s (prefill-heavy) and {ns.decode_heavy[2]}/s (decode-heavy)", flush=True)
     url = f"http://127.0.0.1:{ns.port}"
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the cluster is stopped below
     log = open(os.path.splitext(ns.output)[0] + ".cluster.log", "w")
     proc = subprocess.Popen(cluster_cmd(ns), stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
@@ -274,6 +311,7 @@ def main(argv=None) -> int:
             for k, kind in enumerate(ns.phases.split(",")):
                 marks.append((time.time() - t0, k))
                 summary, records = bench_phase(ns, kind, k, tmp, marks[-1][0])
+                summary["slo_met"] = slo_attainment(records, slos)
                 phases.append({**summary, "start_s": round(marks[-1][0], 1), "end_s": round(time.time() - t0, 1)})
                 requests += records
         poller.stop.set()
@@ -290,7 +328,7 @@ def main(argv=None) -> int:
               "decisions": [d for _, d in sorted(poller.decisions.items())],
               "final_pools": {m: len(final["pools"][m]) for m in MODES}, "planner_config": final["config"],
               "failed_total": sum(p["failed"] for p in phases), "handovers": poller.handovers,
-              "requests": requests}
+              "slo_met": slo_attainment(requests, slos), "requests": requests}
     with open(ns.output, "w") as f:
         json.dump(result, f, indent=1)
     print_tables(result)

@@ -100,3 +100,33 @@ def test_auto_rates_come_from_the_profile_and_the_clusters_planner():
                 ["--cluster-args", "--planner-profile x.json"]):
         with pytest.raises(SystemExit):
             live_shift.parse_args(bad)
+
+
+def test_a_static_layout_is_started_as_given():
+    ns = live_shift.parse_args(["--layout", "2:1:0", "--planner", "static", "--prefill-heavy", "768", "4", "1",
+                                "--decode-heavy", "32", "256", "1"])
+    cmd = live_shift.cluster_cmd(ns)
+    flags = {cmd[i]: cmd[i + 1] for i in range(len(cmd) - 1) if cmd[i].startswith("--")}
+    assert (flags["--prefill"], flags["--decode"], flags["--worker"], flags["--planner"]) == ("2", "1", "0", "static")
+    assert live_shift.cluster_cmd(live_shift.parse_args([]))[4:12] == ["--prefill", "1", "--decode", "1", "--worker",
+                                                                        "1", "--planner", "sla"]
+
+
+@pytest.mark.parametrize("layout", ["1:1", "1:0:0", "0:1:0", "a:1:1", "-1:2:1"])
+def test_a_layout_without_a_path_or_of_the_wrong_shape_is_refused(layout, capsys):
+    with pytest.raises(SystemExit):
+        live_shift.parse_args(["--layout", layout])
+    assert "--layout" in capsys.readouterr().err
+
+
+def test_slo_attainment_counts_successes_within_both_slos():
+    cfg = live_shift.cluster_planner("--ttft-slo-ms 1000 --tpot-slo-ms 100")
+    records = [
+        {"success": True, "ttft": 0.5, "e2e": 1.4, "output_tokens": 10, "start": 0.0, "phase": 0},  # tpot 0.1
+        {"success": True, "ttft": 1.2, "e2e": 1.3, "output_tokens": 2, "start": 1.0, "phase": 0},  # TTFT missed
+        {"success": True, "ttft": 0.2, "e2e": 2.2, "output_tokens": 11, "start": 2.0, "phase": 1},  # tpot 0.2
+        {"success": True, "ttft": 0.9, "e2e": 0.9, "output_tokens": 1, "start": 3.0, "phase": 1},  # one token
+        {"success": False, "error": "503", "ttft": 0.0, "e2e": 0.0, "output_tokens": 0, "start": 4.0, "phase": 1},
+    ]
+    assert live_shift.slo_attainment(records, cfg) == 0.4
+    assert live_shift.slo_attainment([], cfg) == 0.0
