@@ -224,9 +224,10 @@ def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 
 
-def test_a_handover_asked_during_a_handover_waits_for_it():
-    """Decode -> null hands an answer over; null -> prefill asked before it ends would hand over too, but waits
-    for the first handover to end (the live worker queues it), then switches at once."""
+def test_a_decode_worker_moved_to_null_hands_over_only_the_requests_still_waiting_for_their_kv():
+    """Decode -> null: the answers in the running batch are null's own from the switch on (live: the decode role's
+    queues alone keep the handover open), so a move of the worker to prefill a second later starts at once and
+    hands the answer over again."""
     c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
     worker = []
     c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "null")))
@@ -234,9 +235,28 @@ def test_a_handover_asked_during_a_handover_waits_for_it():
     c.run()
     first, second = c.moves
     r = c.requests[0]
-    assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 2.0, r.finished_at)
-    assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", r.finished_at)
-    assert second.ended == pytest.approx(r.finished_at + 0.25) and c.registry.get(worker[0]).mode == "prefill"
+    assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 2.0, pytest.approx(2.25))
+    assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", 3.0)
+    assert second.handed_over == r.finished_at and r.outcome == "finished" and r.generated == 60
+    assert c.registry.get(worker[0]).mode == "prefill"
+    assert all((inst.pd_decodes, inst.pd_awaiting_kv) == (0, 0) for inst in c.instances.values())
+
+
+def test_a_handover_asked_during_a_handover_waits_for_it():
+    """Decode -> null while a PD request's prompt is still prefilled elsewhere: the null worker's handover lasts
+    until that KV joins its batch (prefill 1 s, transfer 0.5 s). A null -> prefill move asked meanwhile would hand
+    over too, but waits for the first handover to end (the live worker queues it), then switches at once."""
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
+    worker = []
+    c.at(0.5, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "null")))
+    c.at(1.0, lambda _: c._start_move(worker[0], "prefill"))
+    c.run()
+    first, second = c.moves
+    r = c.requests[0]
+    assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 0.5, 1.5)
+    assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", 1.5)
+    assert second.ended == pytest.approx(1.75) and second.handed_over == r.finished_at
+    assert c.registry.get(worker[0]).mode == "prefill"
 
 
 def test_a_prefill_server_whose_running_batch_is_full_of_handed_over_answers_still_prefills_pd_prompts():

@@ -236,6 +236,7 @@ class Cluster:
             self.registry.begin(d)
             self.instances[d.url].receive(r)
             self.instances[d.url].pd_decodes += 1
+            self.instances[d.url].pd_awaiting_kv += 1
         else:
             r.path, r.decode_url = NULL_PATH, w.url
             inst.null_reqs += 1
@@ -264,6 +265,7 @@ class Cluster:
                 self._advance_shared()
                 self._work_left[inst.url] = step.seconds
                 self._reschedule_shared()
+        self._note_handover_end(inst)
         self._check_drain(inst)
 
     # ------------------------------------------------------------ host sharing (processor sharing)
@@ -380,15 +382,20 @@ class Cluster:
         inst.assigned -= 1
         inst.pd_decodes -= r.path == PD_PATH
         inst.null_reqs -= r.path == NULL_PATH
-        if inst.handover_move is not None and not inst.handing_over():
-            inst.handover_move.handed_over = self.now
-            inst.handover_move = None
+        self._note_handover_end(inst)
         self.registry.end(self.registry.get(inst.url))
         ttft, tpot = self.ttft_tpot(r)
         self.window.completion(self.now, Observation(path=r.path, prompt_tokens=r.input_len,
                                                      completion_tokens=r.generated, arrived_at=r.arrival, ttft_s=ttft,
                                                      tpot_s=tpot if r.generated > 1 else None), r.ticket)
         self._end(r, "finished", self.meets_slo(r))
+
+    def _note_handover_end(self, inst: SimInstance) -> None:
+        """A handover ends when the worker holds nothing more of its old role (a request ended, or under null
+        the last PD request's KV joined the batch)."""
+        if inst.handover_move is not None and not inst.handing_over():
+            inst.handover_move.handed_over = self.now
+            inst.handover_move = None
 
     def _end(self, r: SimReq, outcome: str, met: bool = False) -> None:
         assert not r.outcome, f"request {r.rid} ended twice ({r.outcome}, {outcome})"

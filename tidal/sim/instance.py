@@ -119,6 +119,7 @@ class SimInstance:
         self.sending = 0  # prefill mode: requests whose KV is being transferred out
         self.assigned = 0  # requests the router sent here that this server still holds (drain waits for 0)
         self.pd_decodes = 0  # PD requests this server decodes (or will), not yet ended: a handover lasts while > 0
+        self.pd_awaiting_kv = 0  # of those, the ones whose KV has not joined the running batch yet
         self.null_reqs = 0  # colocated requests sent here, not yet ended (and a handover from null while > 0)
         self.largest_decode_batch = 0  # the most requests one of its decode steps ran (against the profile's points)
         self.answers_owed_s = 0.0  # a prefill server finishing handed-over answers: decode time they are owed
@@ -165,10 +166,11 @@ class SimInstance:
 
     def handing_over(self) -> bool:
         """Switched with its old role's requests still to finish (live: roles/handover.py): a decode server's
-        answers under prefill or null, a null server's requests under prefill."""
+        answers under prefill, a null server's requests under prefill; under null, a decode server's PD requests
+        still waiting for their KV (the decode role's queues: once in the running batch they are null's own)."""
         if self.mode == PREFILL:
             return self.pd_decodes > 0 or self.null_reqs > 0
-        return self.mode == NULL and self.pd_decodes > 0
+        return self.mode == NULL and self.pd_awaiting_kv > 0
 
     def next_step(self) -> Optional[Step]:
         if self.mode == DECODE or self.arrived:
@@ -263,6 +265,7 @@ class SimInstance:
             if self.running and r.all_len + reserve > self.available_size():
                 return
             self.arrived.pop(0)
+            self.pd_awaiting_kv -= 1
             r.kv_len = r.computed = r.all_len
             self.kv_used += r.kv_len
             self.running.append(r)
