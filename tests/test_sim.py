@@ -204,15 +204,22 @@ def test_a_null_worker_hands_its_requests_over_to_prefill():
     assert all((inst.null_reqs, inst.pd_decodes, inst.kv_used) == (0, 0, 0) for inst in c.instances.values())
 
 
+def decode_worker_moved_twice(first: tuple[float, str], second: tuple[float, str]) -> tuple[Cluster, str]:
+    """One PD request (100-token prompt, 60-token answer) on 1 prefill : 2 decode; its decode worker is moved to
+    first[1] at first[0] s, then to second[1] at second[0] s. The run, and the worker moved."""
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
+    worker = []
+    c.at(first[0], lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], first[1])))
+    c.at(second[0], lambda _: c._start_move(worker[0], second[1]))
+    c.run()
+    return c, worker[0]
+
+
 def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
     """Decode -> prefill drains nothing (the live router asks for a handover): the worker switches at once
     and finishes its answer as a prefill server; a move of it before then waits for the answer, as a drain
     (the live worker holds a drained switch until its handover ends)."""
-    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
-    worker = []
-    c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "prefill")))
-    c.at(3.0, lambda _: c._start_move(worker[0], "decode"))
-    c.run()
+    c, worker = decode_worker_moved_twice((2.0, "prefill"), (3.0, "decode"))
     first, second = c.moves
     assert (first.outcome, first.drained, first.ended) == ("ok", 2.0, pytest.approx(2.25))
     r = c.requests[0]
@@ -220,7 +227,7 @@ def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
     assert first.handed_over == r.finished_at  # the move's handover lasted until its answer ended
     assert (second.outcome, second.drained) == ("ok", r.finished_at) and second.ended == pytest.approx(
         r.finished_at + 0.25)
-    assert c.registry.get(worker[0]).mode == "decode"
+    assert c.registry.get(worker).mode == "decode"
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 
 
@@ -228,17 +235,13 @@ def test_a_decode_worker_moved_to_null_hands_over_only_the_requests_still_waitin
     """Decode -> null: the answers in the running batch are null's own from the switch on (live: the decode role's
     queues alone keep the handover open), so a move of the worker to prefill a second later starts at once and
     hands the answer over again."""
-    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
-    worker = []
-    c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "null")))
-    c.at(3.0, lambda _: c._start_move(worker[0], "prefill"))
-    c.run()
+    c, worker = decode_worker_moved_twice((2.0, "null"), (3.0, "prefill"))
     first, second = c.moves
     r = c.requests[0]
     assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 2.0, pytest.approx(2.25))
     assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", 3.0)
     assert second.handed_over == r.finished_at and r.outcome == "finished" and r.generated == 60
-    assert c.registry.get(worker[0]).mode == "prefill"
+    assert c.registry.get(worker).mode == "prefill"
     assert all((inst.pd_decodes, inst.pd_awaiting_kv) == (0, 0) for inst in c.instances.values())
 
 
@@ -246,17 +249,13 @@ def test_a_handover_asked_during_a_handover_waits_for_it():
     """Decode -> null while a PD request's prompt is still prefilled elsewhere: the null worker's handover lasts
     until that KV joins its batch (prefill 1 s, transfer 0.5 s). A null -> prefill move asked meanwhile would hand
     over too, but waits for the first handover to end (the live worker queues it), then switches at once."""
-    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
-    worker = []
-    c.at(0.5, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "null")))
-    c.at(1.0, lambda _: c._start_move(worker[0], "prefill"))
-    c.run()
+    c, worker = decode_worker_moved_twice((0.5, "null"), (1.0, "prefill"))
     first, second = c.moves
     r = c.requests[0]
     assert (first.src, first.outcome, first.drained, first.handed_over) == ("decode", "ok", 0.5, 1.5)
     assert (second.src, second.handover, second.outcome, second.drained) == ("null", True, "ok", 1.5)
     assert second.ended == pytest.approx(1.75) and second.handed_over == r.finished_at
-    assert c.registry.get(worker[0]).mode == "prefill"
+    assert c.registry.get(worker).mode == "prefill"
 
 
 def test_a_prefill_server_whose_running_batch_is_full_of_handed_over_answers_still_prefills_pd_prompts():
