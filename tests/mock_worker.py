@@ -72,6 +72,8 @@ class MockWorker:
         self.num_chunks = 3
         self.chunk_delay_s = 0.0
         self.cancelled = 0  # streams the client (the router) walked away from
+        # the next streams answered as a tidal server whose scheduler refuses them: 200, one 409 event
+        self.stream_refusals = 0
         self.health_checks = 0
         self.flushes = 0
         self.epoch = 0
@@ -112,6 +114,7 @@ class MockWorker:
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
         self.openai_answers, self.server_timing = False, None
         self.fail_switch, self.switch_refusal = False, None
+        self.stream_refusals = 0
 
     def generate_requests(self) -> list[dict]:
         return [b for _, b in self.requests]
@@ -193,6 +196,11 @@ class MockWorker:
             ROOMS.update((r, "ok") for r in _rooms(body))
         elif _rooms(body) and not await self._wait_kv(_rooms(body)):
             return self._error(body, f"{self.name}: KV transfer failed", 500)
+        if body.get("stream") and self.role != "prefill" and self.stream_refusals > 0:
+            self.stream_refusals -= 1
+            refusal = {"error": {"message": f"the server is in prefill mode (epoch {self.epoch + 1}), not {self.role}",
+                                 "type": "ConflictError", "code": 409}}
+            return StreamingResponse(iter([sse(refusal), b"data: [DONE]\n\n"]), media_type="text/event-stream")
         if body.get("stream") and self.role != "prefill":
             return StreamingResponse(self._stream(path, body), media_type="text/event-stream")
         headers = {"server-timing": self.server_timing} if self.server_timing else None
@@ -240,6 +248,9 @@ class MockWorker:
             if self.fail_switch:
                 return JSONResponse({"status": "error", "message": f"{self.name} refuses to switch",
                                      "current_mode": self.role, "epoch": self.epoch}, status_code=500)
+            if mode == self.role:  # as a tidal server: no switch, the epoch stays
+                return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch,
+                                     "message": f"already in {mode} mode"})
             self.role, self.epoch = mode, self.epoch + 1
             return JSONResponse({"status": "ok", "current_mode": self.role, "epoch": self.epoch,
                                  "timings_ms": {"drain": 0.0, "switch": 1.5}, "message": f"switched to {mode}"})

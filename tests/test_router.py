@@ -180,6 +180,27 @@ def test_retry_with_new_pair_after_503(m):
         assert m["d1"].requests[0][1]["bootstrap_room"] != m["d1"].requests[1][1]["bootstrap_room"]
 
 
+def test_a_stream_refused_in_its_first_event_is_retried(m):
+    """A tidal server answers a stream 200 at once; a refusal its scheduler decides (the worker changed role since the
+    router picked it: a decode worker that just handed over to prefill) is the stream's only event, a 409. Nothing
+    was generated: the router retries on a new pair, as for a 409 status, and the client gets a whole stream (live
+    run 41 lost a request this way). An error event with a status that is not retried is relayed as before."""
+    from tidal.router.legs import stream_refusal
+
+    m["d1"].stream_refusals = 1
+    with pd(m) as r:
+        with httpx.stream("POST", r.url + "/generate", json={"text": "x", "stream": True}, timeout=30) as resp:
+            assert resp.status_code == 200
+            events = [line for line in resp.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and not any('"error"' in e for e in events), events
+        assert len(m["p1"].requests) == 2 and m["d1"].stream_refusals == 0
+    ok = b'data: {"text": "hi"}\n\n'
+    assert stream_refusal(ok) is None
+    assert stream_refusal(b'data: {"error": {"message": "bad", "code": 400}}\n\n') is None
+    assert stream_refusal(b'data: {"error": {"message": "draining", "code": 503}}\n\ndata: [DONE]\n\n') == \
+        (503, b'{"error": {"message": "draining", "code": 503}}')
+
+
 def test_retries_exhausted_passes_last_error(m):
     m["d1"].fail_next = 10
     with pd(m, max_retries=2) as r:

@@ -23,6 +23,24 @@ RETRYABLE_STATUS = frozenset({408, 409, 429} | set(range(500, 600)))
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
+def stream_refusal(first: bytes) -> Optional[tuple[int, bytes]]:
+    """(status, error JSON) when a stream's first event is a retryable error: a tidal server answers a stream
+    200 at once, and a refusal its scheduler decides (a worker that changed role since the router picked it, 409;
+    one draining for a switch, 503) comes as the stream's only event. Nothing was generated, so the request can
+    go elsewhere as a refusal by status would; None for anything else."""
+    if not first.startswith(b"data: {"):
+        return None
+    event = first[len(b"data: "):].split(b"\n", 1)[0]
+    try:
+        err = msgspec.json.decode(event).get("error")
+    except (msgspec.DecodeError, AttributeError):
+        return None
+    code = err.get("code") if isinstance(err, dict) else None
+    if not isinstance(code, int) or code not in RETRYABLE_STATUS:
+        return None
+    return code, event
+
+
 def json_error(message: str, status_code: int) -> Response:
     return Response(msgspec.json.encode(error_body(message, status_code)), status_code=status_code,
                     media_type="application/json")
@@ -117,6 +135,9 @@ class Leg:
         self.status, self.headers = resp.status, resp.headers
         if stream and 200 <= resp.status < 300:
             self.body = await resp.content.readany()
+            refusal = stream_refusal(self.body)
+            if refusal is not None:
+                self.status, self.body = refusal
         else:
             self.body = await resp.read()
 
