@@ -196,7 +196,6 @@ def test_queue_limit_refuses_with_503():
     assert sched.num_queued() == 2
     stats = sched.make_stats(1)
     assert (stats.num_waiting_reqs, stats.waiting_prompt_tokens) == (2, 6)  # q1 and q2, 3 prompt tokens each
-    assert (stats.prompts_received, stats.prompt_tokens_received) == (3, len(P0) + 6)  # accepted: not q3
     run.to_end()
     assert sorted(run.order) == ["first", "q1", "q2", "q3"]
     assert run.tokens["q1"] == reference_generate([4, 5, 6], 2)

@@ -149,6 +149,12 @@ def test_health_info_and_models(url):
                             "num_waiting_prompt_tokens", "max_total_tokens"}
     assert load[0]["max_total_tokens"] > 0 and load[0]["num_queued_prefill_tokens"] == 0
     assert load[0]["num_waiting_prompt_tokens"] == 0
+    # the arrivals, counted by the front end as they come (the planner's): a request and its prompt's tokens
+    ids = [1, 2, 3, 4, 5, 6, 7]
+    gen(url, {"input_ids": ids, "sampling_params": {"max_new_tokens": 1}})
+    after = httpx.get(url + "/get_load").json()[0]
+    assert after["prompts_received_total"] == load[0]["prompts_received_total"] + 1
+    assert after["prompt_tokens_received_total"] == load[0]["prompt_tokens_received_total"] + len(ids)
 
 
 def test_metrics(url):

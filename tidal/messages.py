@@ -182,9 +182,6 @@ class StatsResp(_Msg):
     num_decoding_reqs: int = 0
     # the prompt tokens of the num_waiting_reqs requests (whole prompts): with it, their mean prompt length
     waiting_prompt_tokens: int = 0
-    # since the start: requests accepted, and their whole prompts' tokens, counted as they arrive
-    prompts_received: int = 0
-    prompt_tokens_received: int = 0
 
 
 class LoadSnapshot(_Msg):

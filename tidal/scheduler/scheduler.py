@@ -154,7 +154,6 @@ class Scheduler:
             self._end_unrun(req, message, code)
             return
         self.lora.on_accepted(req)
-        self.stats.on_arrival(len(req.origin_input_ids))
         if req.is_embedding:
             self.waiting_queue.append(req)  # computed here in every role: a prefill, no KV transfer
             return
@@ -504,8 +503,6 @@ class Scheduler:
             num_overlapped_batches=s.num_overlapped_batches,
             total_prompt_tokens=s.total_prompt_tokens,
             total_cached_tokens=s.total_cached_tokens,
-            prompts_received=s.prompts_received,
-            prompt_tokens_received=s.prompt_tokens_received,
             disaggregation_mode=self.role.name,
             epoch=self.controller.epoch,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),

@@ -20,9 +20,6 @@ class SchedulerStats:
     num_retracted: int = 0
     total_prompt_tokens: int = 0
     total_cached_tokens: int = 0
-    # requests accepted (not refused) and their whole prompts, as they arrive: the planner's arrivals' prompt lengths
-    prompts_received: int = 0
-    prompt_tokens_received: int = 0
     _gen_events: collections.deque = field(default_factory=collections.deque)
 
     def on_batch(self, batch) -> None:
@@ -36,10 +33,6 @@ class SchedulerStats:
             self._gen_events.append((now, len(batch.reqs)))
         while self._gen_events and now - self._gen_events[0][0] > THROUGHPUT_WINDOW_S:
             self._gen_events.popleft()
-
-    def on_arrival(self, prompt_tokens: int) -> None:
-        self.prompts_received += 1
-        self.prompt_tokens_received += prompt_tokens
 
     def on_prompt(self, prompt_tokens: int, cached_tokens: int) -> None:
         self.total_prompt_tokens += prompt_tokens

@@ -348,14 +348,15 @@ def _add_info_routes(app: FastAPI) -> None:
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/get_load")
     async def get_load(request: Request) -> Response:
-        st, age = await _ctx(request).tm.latest_stats()  # not an RPC: it must answer under load
+        tm = _ctx(request).tm
+        st, age = await tm.latest_stats()  # not an RPC: it must answer under load
         return JSONResp([{"dp_rank": 0, "num_reqs": st.num_running_reqs + st.num_waiting_reqs,
                           "num_waiting_reqs": st.num_waiting_reqs, "num_tokens": st.num_used_tokens,
                           "num_queued_prefill_tokens": st.queued_prefill_tokens,
                           "num_decoding_reqs": st.num_decoding_reqs,
                           "num_waiting_prompt_tokens": st.waiting_prompt_tokens,
-                          "prompts_received_total": st.prompts_received,
-                          "prompt_tokens_received_total": st.prompt_tokens_received,
+                          "prompts_received_total": tm.prompts_received,
+                          "prompt_tokens_received_total": tm.prompt_tokens_received,
                           "max_total_tokens": st.max_total_tokens,
                           "age_s": round(age, 3)}])
 

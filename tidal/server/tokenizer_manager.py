@@ -217,6 +217,11 @@ class TokenizerManager:
         self.load: Optional[StatsResp] = None  # the scheduler's latest LoadSnapshot
         self.load_at = 0.0
         self._states: dict[str, ReqState] = {}
+        # since the start: the requests sent to the scheduler and their prompts' tokens, counted here as they arrive
+        # (the planner's arrivals, /get_load): the scheduler takes new requests only between passes, and a
+        # prefill server's batched long prompts held its count back ~10 s on a live turn to them
+        self.prompts_received = 0
+        self.prompt_tokens_received = 0
         self._rpcs: dict[int, asyncio.Future] = {}
         self._call_ids = itertools.count(1)
         self._push: Optional[zmq.Socket] = None
@@ -481,6 +486,9 @@ class TokenizerManager:
         except BaseException:  # nothing may stay registered: the rids must be reusable
             self.abort_states(states)
             raise
+        if not internal:
+            self.prompts_received += len(reqs)
+            self.prompt_tokens_received += sum(len(r.input_ids) for r in reqs)
         return states
 
     def _new_state(self, req: GenerateReq, group: str, event: asyncio.Event,
