@@ -416,10 +416,12 @@ def test_the_first_windows_prompts_are_those_the_workers_received_not_the_first_
 
 
 def test_past_windows_mixes_are_remembered_across_shifts_and_the_last_seconds_rate_kept():
-    """Traffic.past_mixes: a window's mean prompt and answer over its finished requests (MIN_LENGTH_SAMPLES or more
-    reporting both), one per window length, newest first, at most MIX_MEMORY, kept when a shift of the mix restarts
+    """Traffic.past_mixes: the mean prompt and answer of the window's lengths (its finished requests reporting both,
+    or the last MIN_LENGTH_SAMPLES since the shift where it has fewer; MIN_COHORT_SAMPLES or more), one per window
+    length, newest first, at most MIX_MEMORY, kept when a shift of the mix restarts
     the length history. Traffic.recent_arrival_rate: the arrivals of the last ANSWER_COHORT_S seconds."""
-    from tidal.planner.window import ANSWER_COHORT_S, MIN_LENGTH_SAMPLES, MIX_MEMORY
+    from tidal.planner.window import (ANSWER_COHORT_S, MIN_COHORT_SAMPLES, MIN_LENGTH_SAMPLES,
+                                      MIX_MEMORY)
 
     w = TrafficWindow(30.0, 0.0, burst_window_s=300.0)
     for k in range(MIN_LENGTH_SAMPLES):
@@ -436,6 +438,24 @@ def test_past_windows_mixes_are_remembered_across_shifts_and_the_last_seconds_ra
             w.completion(100.0 + 30 * t, Observation(path="pd", prompt_tokens=60, completion_tokens=75))
         w.traffic(100.0 + 30 * t)
     assert len(w.traffic(100.0 + 30 * (MIX_MEMORY + 5)).past_mixes) == MIX_MEMORY
+    # a small cluster: after the router's first window MIN_COHORT_SAMPLES finished in a window are a mix (three
+    # servers at a request a second finish ~20 a window); fewer are not, nor over the first window (the shortest
+    # finish first there)
+    early = TrafficWindow(20.0, 0.0, burst_window_s=300.0)
+    for k in range(MIN_COHORT_SAMPLES):
+        early.completion(1.0 + k * 0.5, Observation(path="pd", prompt_tokens=768, completion_tokens=4))
+    assert early.traffic(12.0).past_mixes == []
+    small = TrafficWindow(20.0, 0.0, burst_window_s=300.0)
+    for k in range(MIN_COHORT_SAMPLES - 1):
+        small.completion(5.0 + k * 0.5, Observation(path="pd", prompt_tokens=768, completion_tokens=4))
+    assert small.traffic(21.0).past_mixes == []
+    small.completion(21.5, Observation(path="pd", prompt_tokens=768, completion_tokens=4))
+    assert small.traffic(22.0).past_mixes == [[768.0, 4.0]]
+    # a window with fewer of its own keeps the last MIN_LENGTH_SAMPLES since the shift (the window's lengths)
+    for k in range(10):
+        small.completion(40.0 + k, Observation(path="pd", prompt_tokens=700, completion_tokens=6))
+    assert small.traffic(50.0).past_mixes == [[pytest.approx((20 * 768 + 10 * 700) / 30), pytest.approx(14 / 3)],
+                                              [768.0, 4.0]]
     rush = TrafficWindow(30.0, 0.0)
     for k in range(180):  # 4 a second for 20 s, then 10 a second
         rush.arrival(0.125 + k * 0.25 if k < 80 else 20.05 + (k - 80) * 0.1)
@@ -1170,6 +1190,55 @@ def test_a_queue_is_no_new_mix_where_the_newest_arrivals_prompts_are_the_windows
         mixed, note = queued_mix(PoolLoad(short_queue), msgspec.structs.replace(code, recent_input_tokens=recent))
         assert ("as queued" in note) == stands, (recent, note)
         assert (mixed.mean_input_tokens, mixed.mean_output_tokens) == ((177, 52.0) if stands else (530, 7)), recent
+
+
+def test_the_newest_arrivals_stand_for_a_new_mix_where_too_few_prompts_queue():
+    """On a small cluster a turn of the mix queues no QUEUED_SAMPLE prompts: three servers at one request a second,
+    a chat phase (32-token prompts, 256-token answers) turning to code (768 / 4), and the one prefill server
+    keeping up. The prompts the workers received over the last seconds (`Traffic.recent_prompts`, however few)
+    stand for the mix once ARRIVALS_SAMPLE arrived and their mean lies beyond QUEUED_SHIFT and the window's
+    sampling spread at so few: the planner heads back to the prefill-heavy layout at once (live run 27 held 1:2:0
+    for 22 s until the window's finished requests said it). Fewer arrivals, arrivals of the window's mix, or a
+    difference within the spread of a heavy-tailed window change nothing."""
+    from tidal.planner.predict import PoolLoad
+    from tidal.planner.queued import ARRIVALS_SAMPLE, QUEUED_SAMPLE, queued_mix, sampling_spread
+    from tidal.planner.window import ANSWER_COHORT_S
+
+    def counts(prompts: int, tokens: int) -> list[WorkerLoad]:
+        return [WorkerLoad(url="p0", mode=PREFILL, prompts_received=prompts, prompt_tokens_received=tokens)]
+
+    w = TrafficWindow(window_s=30.0, started_at=0.0, burst_window_s=300.0)
+    w.traffic(0.0, counts(0, 0))
+    newest = w.traffic(5.0, counts(3, 3 * 768))
+    assert (newest.recent_prompts, newest.recent_prompt_mean) == (3, pytest.approx(768))
+    assert newest.recent_input_tokens == 0.0  # under MIN_RECEIVED_SAMPLES: no veto of the queue
+    gone = w.traffic(5.0 + ANSWER_COHORT_S, counts(3, 3 * 768))
+    assert (gone.recent_prompts, gone.recent_prompt_mean) == (0, 0.0)
+
+    chat = Traffic(arrival_rate=0.63, mean_input_tokens=32, mean_output_tokens=256, recent_arrival_rate=1.0,
+                   input_tokens_deciles=[32] * 10, past_mixes=[[32.0, 256.0], [768.0, 4.0]])
+    no_queue = layout(1, 2, 0, prefill={"queued_prefill_tokens": 768, "waiting_reqs": 1})
+    turned = msgspec.structs.replace(chat, recent_prompts=ARRIVALS_SAMPLE, recent_prompt_mean=768.0)
+    mixed, note = queued_mix(PoolLoad(no_queue), turned)
+    assert (mixed.mean_input_tokens, mixed.mean_output_tokens, mixed.arrival_rate) == (768, 4.0, 1.0), note
+    assert f"prompts of 768 tokens as received over the last seconds ({ARRIVALS_SAMPLE} arrived" in note
+    d = decide(NOW, cfg(ttft_slo_s=3.0, tpot_slo_s=0.15), PlannerState(), no_queue, turned, COST)
+    held = decide(NOW, cfg(ttft_slo_s=3.0, tpot_slo_s=0.15), PlannerState(), no_queue, chat, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL) and "as received" in d.reason, d.reason
+    assert held.kind == "hold", held.reason
+    # too few, or the window's own mix
+    few = msgspec.structs.replace(turned, recent_prompts=ARRIVALS_SAMPLE - 1)
+    assert queued_mix(PoolLoad(no_queue), few) == (few, "")
+    same = msgspec.structs.replace(turned, recent_prompt_mean=40.0)
+    assert queued_mix(PoolLoad(no_queue), same) == (same, "")
+    # a heavy-tailed window: 4 prompts 1.6x its mean lie within the spread of so few, 16 do not; QUEUED_SAMPLE
+    # arrivals or more leave it to the queue
+    code = Traffic(arrival_rate=4.0, mean_input_tokens=500, mean_output_tokens=7,
+                   input_tokens_deciles=[20, 60, 150, 250, 340, 460, 580, 720, 1000, 1420])
+    assert sampling_spread(code.input_tokens_deciles, 4) > 1.6 > sampling_spread(code.input_tokens_deciles, 16)
+    for n, stands in ((4, False), (16, True), (QUEUED_SAMPLE, False)):
+        longer = msgspec.structs.replace(code, recent_prompts=n, recent_prompt_mean=800.0)
+        assert ("as received" in queued_mix(PoolLoad(no_queue), longer)[1]) == stands, n
 
 
 def test_the_newest_arrivals_answers_stand_for_the_queued_prompts_where_the_window_has_them():

@@ -15,6 +15,8 @@ from tidal.planner.window import scaled
 # differs from the window's by this factor, either way
 QUEUED_SAMPLE = 20
 QUEUED_SHIFT = 1.5
+# where fewer prompts wait, the newest arrivals stand for the mix once at least this many arrived (`arrivals_sample`)
+ARRIVALS_SAMPLE = 4
 # a past window of the window's own kind of answers vetoes the queued prompts' lookup only within this many
 # standard errors of the queued prompts' mean: a long queue is not a sample of windows further off
 SAMPLING_Z = 2.0
@@ -30,29 +32,22 @@ def same_kind(answer: float, other: float) -> bool:
 
 
 def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
-    """The window's traffic, with the prompts waiting on prefill and null workers as its prompt lengths when they
-    are another mix (and a note saying so). The window knows a prompt's length once its request has finished:
-    when the mix turns to longer prompts, the new ones wait behind the backlog they cause, and the window shows
-    the old mix until they finish (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over
-    the next 30 s while the prefill pool fell behind). The waiting prompts are the newest arrivals (first come,
-    first served unless priorities reorder them); when at least QUEUED_SAMPLE wait and their mean differs from
-    the window's by QUEUED_SHIFT they are the mix: the deciles scaled alike, the answers those of the past
-    window whose prompts were nearest theirs (`seen_answers`), and the rate the last seconds' (the window
-    straddles the shift), unless the newest arrivals' prompts as the workers received them are the window's
-    (`arrivals_are_the_windows`). The prompts are the waiting requests' own (`/get_load`'s num_waiting_prompt_tokens);
-    where a worker does not report them, the tokens queued for prefill stand in, a rough mean: they count the
-    rest of a prompt being prefilled in chunks (not a waiting request)."""
-    waiting = load.waiting[PREFILL] + load.waiting[NULL]
-    queued = queued_prompt_tokens(load)
-    if waiting < QUEUED_SAMPLE or traffic.mean_input_tokens <= 0 or queued <= 0:
+    """The window's traffic, with the newest prompts as its prompt lengths when they are another mix (and a note
+    saying so). The window knows a prompt's length once its request has finished: when the mix turns to longer
+    prompts, the new ones wait behind the backlog they cause, and the window shows the old mix until they finish
+    (on a mix shifting from 75- to 450-token prompts it said 95-246 tokens over the next 30 s while the prefill
+    pool fell behind). The newest prompts are those waiting for prefill (`queued_sample`) or, where too few wait,
+    those the workers received over the last seconds (`arrivals_sample`); as the mix: the deciles scaled alike,
+    the answers those of the past window whose prompts were nearest theirs (`seen_answers`), and the rate the
+    last seconds' (the window straddles the shift)."""
+    if traffic.mean_input_tokens <= 0:
         return traffic, ""
-    prompt = queued / waiting
+    sample = queued_sample(load, traffic) or arrivals_sample(traffic)
+    if sample is None:
+        return traffic, ""
+    prompt, count, note = sample
     ratio = prompt / traffic.mean_input_tokens
-    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT or arrivals_are_the_windows(traffic):
-        return traffic, ""
-    note = (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
-            f"the window's {traffic.mean_input_tokens:.0f})")
-    veto = sampling_radius(traffic.input_tokens_deciles, waiting)
+    veto = sampling_radius(traffic.input_tokens_deciles, count)
     answers = None if traffic.recent_answers else seen_answers(prompt, traffic.past_mixes, traffic.mean_output_tokens,
                                                                 veto)
     if answers is None:
@@ -66,6 +61,47 @@ def queued_mix(load: PoolLoad, traffic: Traffic) -> tuple[Traffic, str]:
     return msgspec.structs.replace(
         traffic, arrival_rate=rate, mean_input_tokens=prompt, mean_output_tokens=answers,
         input_tokens_deciles=scaled(traffic.input_tokens_deciles, ratio)), note
+
+
+def queued_sample(load: PoolLoad, traffic: Traffic) -> Optional[tuple[float, int, str]]:
+    """(mean prompt, how many, note) of the prompts waiting on prefill and null workers, when at least
+    QUEUED_SAMPLE wait and their mean differs from the window's by QUEUED_SHIFT, either way, unless the newest
+    arrivals' prompts as the workers received them are the window's (`arrivals_are_the_windows`). The waiting
+    prompts are the newest arrivals (first come, first served unless priorities reorder them); they are the
+    waiting requests' own (`/get_load`'s num_waiting_prompt_tokens); where a worker does not report them, the
+    tokens queued for prefill stand in, a rough mean: they count the rest of a prompt being prefilled in chunks
+    (not a waiting request)."""
+    waiting = load.waiting[PREFILL] + load.waiting[NULL]
+    queued = queued_prompt_tokens(load)
+    if waiting < QUEUED_SAMPLE or queued <= 0:
+        return None
+    prompt = queued / waiting
+    ratio = prompt / traffic.mean_input_tokens
+    if 1 / QUEUED_SHIFT < ratio < QUEUED_SHIFT or arrivals_are_the_windows(traffic):
+        return None
+    return prompt, waiting, (f"; prompts of {prompt:.0f} tokens as queued ({waiting} waiting; "
+                             f"the window's {traffic.mean_input_tokens:.0f})")
+
+
+def arrivals_sample(traffic: Traffic) -> Optional[tuple[float, int, str]]:
+    """(mean prompt, how many, note) of the requests the workers received over the last seconds
+    (`Traffic.recent_prompts`), where fewer than QUEUED_SAMPLE arrived (no queue of QUEUED_SAMPLE can form in
+    the seconds that matter), at least ARRIVALS_SAMPLE did, and their mean lies beyond both QUEUED_SHIFT and the
+    window's sampling spread at so few (`sampling_spread`) from the window's mean, either way. On three servers at
+    one request a second a turn from 32- to 768-token prompts queued no 20 prompts, and the window said the old mix
+    for 20 s while the one prefill server fell behind (live run 27). Where more arrive, the queue decides as
+    before: the newest arrivals' prompts alone, paired with the window's answers, turned 64 instances toward prefill
+    at a turn to the conversation trace (azure-shift, 10 s of 344-token prompts against the code window's 541) and
+    cost a grid step of goodput."""
+    count, prompt = traffic.recent_prompts, traffic.recent_prompt_mean
+    if not ARRIVALS_SAMPLE <= count < QUEUED_SAMPLE or prompt <= 0:
+        return None
+    ratio = prompt / traffic.mean_input_tokens
+    spread = max(QUEUED_SHIFT, sampling_spread(traffic.input_tokens_deciles, count))
+    if 1 / spread < ratio < spread:
+        return None
+    return prompt, count, (f"; prompts of {prompt:.0f} tokens as received over the last seconds ({count} arrived; "
+                           f"the window's {traffic.mean_input_tokens:.0f})")
 
 
 def arrivals_are_the_windows(traffic: Traffic) -> bool:
@@ -90,15 +126,20 @@ def queued_prompt_tokens(load: PoolLoad) -> int:
 
 
 def sampling_radius(deciles: list[int], waiting: int) -> float:
-    """The factor within which the mean of `waiting` prompts drawn from the window's prompt lengths (`deciles`)
-    lies at SAMPLING_Z standard errors, at most QUEUED_SHIFT."""
-    if not deciles or waiting <= 0:
+    """`sampling_spread`, at most QUEUED_SHIFT."""
+    return min(QUEUED_SHIFT, sampling_spread(deciles, waiting))
+
+
+def sampling_spread(deciles: list[int], count: int) -> float:
+    """The factor within which the mean of `count` prompts drawn from the window's prompt lengths (`deciles`)
+    lies at SAMPLING_Z standard errors; QUEUED_SHIFT where the deciles are unknown."""
+    if not deciles or count <= 0:
         return QUEUED_SHIFT
     mean = sum(deciles) / len(deciles)
     if mean <= 0:
         return QUEUED_SHIFT
     cv = math.sqrt(sum((x - mean) ** 2 for x in deciles) / len(deciles)) / mean
-    return min(QUEUED_SHIFT, math.exp(SAMPLING_Z * cv / math.sqrt(waiting)))
+    return math.exp(SAMPLING_Z * cv / math.sqrt(count))
 
 
 def seen_answers(prompt: float, past_mixes: list[list[float]], window_answer: float = 0.0,

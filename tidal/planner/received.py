@@ -51,6 +51,15 @@ class ReceivedPrompts:
         while self.received and self.received[0][0] <= now - self.window_s:
             self.received.popleft()
 
+    def newest(self, since: float) -> tuple[int, float]:
+        """(how many requests were received after `since`, their mean prompt); (0, 0.0) when none, or when a
+        prefill or null worker does not count them."""
+        recent = [(n, t) for at, n, t in self.received if at > since]
+        prompts = sum(n for n, _ in recent)
+        if not self.every_worker_reports or not prompts:
+            return 0, 0.0
+        return prompts, sum(t for _, t in recent) / prompts
+
     def mean_prompt(self, min_samples: int = MIN_RECEIVED_SAMPLES, since: float = float("-inf")) -> Optional[float]:
         """The mean prompt of the requests received over the window (those observed after `since`); None with
         fewer than `min_samples`, or when a prefill or null worker does not count them."""

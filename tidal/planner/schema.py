@@ -58,6 +58,11 @@ class Traffic(msgspec.Struct, kw_only=True):
     # the mean prompt of the requests the workers received over the last ANSWER_COHORT_S seconds (received.py); 0:
     # unknown (fewer than MIN_RECEIVED_SAMPLES, or a worker that does not count them)
     recent_input_tokens: float = 0.0
+    # how many requests the workers received over the last ANSWER_COHORT_S seconds, and their mean prompt, however
+    # few (0: none, or a worker that does not count them): on a small cluster the newest mix's prompts
+    # (queued.queued_mix)
+    recent_prompts: int = 0
+    recent_prompt_mean: float = 0.0
     # mean_output_tokens is the answers of the last ANSWER_COHORT_S seconds' arrivals (window._mean_answer: they say
     # ANSWER_SHIFT times the finished requests' or more, or it is the router's first window): the newest mix's own
     recent_answers: bool = False
