@@ -252,6 +252,73 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
     workers["d1"].fail_switch = False
 
 
+def test_a_hand_move_to_the_workers_own_mode_is_no_move(workers, tmp_path):
+    """Asking for the mode a worker is in answers 200 with the worker's word for it, and starts no cooldown: the
+    planner may still move that worker at its next round. A body with a field the route does not know (the
+    worker's own switch takes `timeout_s` and `drain`, this one does not) is a 400, not silently ignored."""
+    with router(workers, tmp_path, interval_s=60.0, cooldown_s=30.0, worker_cooldown_s=None) as r:
+        planner = r.state.planner
+        d2 = workers["d2"].url
+        resp = r.post("/admin/set_worker_role", {"url": d2, "mode": "decode"})
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["mode"] == "decode" and "already in decode mode" in resp.json()["message"]
+        now, cfg = planner.clock(), planner.cfg
+        assert planner.state.worker_blocked(now, d2, cfg) == ""
+        assert planner.state.reversal(now, "decode", "prefill", cfg) == ""
+        assert httpx.get(r.url + "/planner/status").json()["cooldown"]["recent_moves"] == {}
+        for extra in ({"timeout_s": -1}, {"drain": False}):
+            resp = r.post("/admin/set_worker_role", {"url": d2, "mode": "prefill", **extra})
+            assert resp.status_code == 400 and next(iter(extra)) in resp.json()["error"]["message"], resp.text
+        assert workers["d2"].role == "decode" and planner.state.worker_blocked(now, d2, cfg) == ""
+
+
+def test_repeated_advice_is_logged_once_at_info(caplog):
+    """`--planner advise` gives the same advice every interval until someone moves: its repeats on the same pools
+    are DEBUG lines; other advice is INFO again."""
+    import logging
+    from types import SimpleNamespace
+
+    from tidal.planner.loop import PlannerLoop
+    from tidal.planner.schema import Decision, Traffic, WorkerLoad
+    from tidal.router.metrics import RouterMetrics
+
+    loop = PlannerLoop(PlannerConfig(mode="advise"), SimpleNamespace(metrics=RouterMetrics()), clock=lambda: 0.0)
+    loop.last_loads = [WorkerLoad(url="http://n", mode="null"), WorkerLoad(url="http://d", mode="decode")]
+    to_prefill = Decision(at=0.0, kind="advise", reason="capacity 1x -> 2x", url="http://n", src="null", dst="prefill")
+    to_decode = Decision(at=0.0, kind="advise", reason="capacity 1x -> 2x", url="http://n", src="null", dst="decode")
+    caplog.set_level(logging.DEBUG, logger="tidal.planner.loop")
+    for d in (to_prefill, to_prefill, to_prefill, to_decode):
+        loop._record(d, Traffic())
+    levels = [r.levelname for r in caplog.records if r.getMessage().startswith("planner: advise")]
+    assert levels == ["INFO", "DEBUG", "DEBUG", "INFO"]
+
+
+def test_the_router_warns_once_where_the_prompts_outrun_the_profile(caplog):
+    """As `tidal sim` does: prompts (the window's 95th percentile) past twice the profile's longest measured prefill
+    make the planner's cost model extrapolate; the router says so once, not every interval."""
+    import logging
+    from types import SimpleNamespace
+
+    from tidal.planner.loop import PlannerLoop
+    from tidal.planner.schema import Traffic
+    from tidal.profile.cost import CostModel
+
+    cost = CostModel.from_dict(PROFILE)
+    measured = max(x.tokens for x in cost.profile.prefill)
+    loop = PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(), cost=cost, profile_path="p.json")
+    caplog.set_level(logging.WARNING, logger="tidal.planner.loop")
+    within = Traffic(input_tokens_deciles=[10] * 9 + [2 * measured])
+    loop._warn_extrapolation(within)
+    assert not caplog.records
+    past = Traffic(input_tokens_deciles=[10] * 9 + [2 * measured + 1])
+    for _ in range(3):
+        loop._warn_extrapolation(past)
+    said = (f"--planner-profile p.json: prefill was measured up to {measured} tokens; the prompts reach "
+            f"{2 * measured + 1} (the 95th percentile of the window's); the cost model extrapolates: measure longer "
+            f"prompts with `tidal profile`")
+    assert [r.getMessage() for r in caplog.records] == [said]
+
+
 def test_a_repeated_hold_is_logged_once_at_info(caplog):
     """An idle router holds every interval for the same cause: the first such hold is an INFO line, its repeats on
     the same pools DEBUG lines; a new cause, or a move, is INFO again."""

@@ -84,7 +84,8 @@ class PlannerLoop:
         self._walk: Optional[asyncio.Task] = None  # a round started by a move that landed mid-walk
         self._moves: set[asyncio.Task] = set()
         self._round = asyncio.Lock()
-        self._last_hold: Optional[tuple] = None  # (why, pools) of the last decision, when it was a hold
+        self._last_repeat: Optional[tuple] = None  # the last decision, when a hold or advice (`_record`)
+        self._warned_extrapolation = False
 
     # ------------------------------------------------------------ lifecycle
 
@@ -146,6 +147,7 @@ class PlannerLoop:
         now = self.clock()
         self.last_loads = loads
         traffic = self.window.traffic(now, self.last_loads)
+        self._warn_extrapolation(traffic)
         while True:
             d = await self._decide(now, traffic)
             self.last = d
@@ -162,6 +164,18 @@ class PlannerLoop:
             task = asyncio.get_running_loop().create_task(self._move(d))
             self._moves.add(task)
             task.add_done_callback(self._moves.discard)
+
+    def _warn_extrapolation(self, traffic: Traffic) -> None:
+        """Once: the window's prompts (their 95th percentile) past twice the profile's longest measured prefill."""
+        if self.cost is None or self._warned_extrapolation or not traffic.input_tokens_deciles:
+            return
+        from tidal.profile.cost import prefill_extrapolation
+
+        warning = prefill_extrapolation(self.cost.profile, max(traffic.input_tokens_deciles))
+        if warning:
+            self._warned_extrapolation = True
+            logger.warning("--planner-profile %s: %s (the 95th percentile of the window's); the cost model "
+                           "extrapolates: measure longer prompts with `tidal profile`", self.profile_path, warning)
 
     async def _decide(self, now: float, traffic: Traffic) -> Decision:
         """`decide` in a thread, on a copy of the state: it predicts hundreds of layouts (~0.1 s at 16 or 64
@@ -231,11 +245,12 @@ class PlannerLoop:
         _set_observed(m.planner_observed_ttft, m.planner_observed_tpot, traffic)
         pred = d.current
         pools = pool_counts(self.last_loads)
-        # a hold for the same cause on the same pools as the last one logged is a DEBUG line: an idle router
-        # would repeat it every interval
-        hold = (d.why, tuple(sorted(pools.items()))) if d.kind == "hold" else None
-        log = logger.debug if hold is not None and hold == self._last_hold else logger.info
-        self._last_hold = hold
+        # a hold for the same cause, or the same advice, on the same pools as the last one logged is a DEBUG line:
+        # an idle router would repeat it every interval, an advising one every interval until someone moves
+        same = ((d.kind, d.why, d.url, d.dst, tuple(sorted(pools.items())))
+                if d.kind in ("hold", "advise") else None)
+        log = logger.debug if same is not None and same == self._last_repeat else logger.info
+        self._last_repeat = same
         log("planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason, pools,
             traffic.arrival_rate, traffic.mean_input_tokens, traffic.mean_output_tokens, _brief(pred))
 

@@ -205,3 +205,12 @@ def host_mismatch(profile: Profile, host_flags: Optional[list[str]] = None) -> O
              (("it had", theirs - mine), ("it lacked", mine - theirs)) if flags]
     return (f"the profile was measured on another CPU ({'; '.join(parts)} against this host); its times may not "
             f"hold here: measure this host with `tidal profile`")
+
+
+def prefill_extrapolation(profile: Profile, longest_prompt: int) -> Optional[str]:
+    """Where prompts take the cost model past twice the longest prefill its profile measured (it extrapolates
+    linearly there: predictions rest on that line); None within it."""
+    measured = max((x.tokens for x in profile.prefill), default=0)
+    if measured and longest_prompt > 2 * measured:
+        return f"prefill was measured up to {measured} tokens; the prompts reach {longest_prompt}"
+    return None

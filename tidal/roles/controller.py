@@ -247,8 +247,11 @@ class ModeController:
         self.last_timings_ms = dict(p.timings_ms)
         self.last_error = None
         text = f"switched from {old_role.name} to {mode}"
-        if p.handover:
-            text += f"; the {held} requests the {old_role.name} role held finish under {mode} (handover)"
+        if p.handover and held:
+            text += (f"; the {held} request{'s' if held != 1 else ''} the {old_role.name} role held finish under "
+                     f"{mode} (handover)")
+        elif p.handover:
+            text += f"; the {old_role.name} role held no request (handover)"
         logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
         return self._reply(p.msg, 200, text, p.timings_ms)
 

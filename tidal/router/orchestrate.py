@@ -51,6 +51,9 @@ class RoleMover:
         refusal = self._refusal(w, url, mode) or (None if force else self._no_route_after(w, mode))
         if refusal is not None:
             return _json(refusal[1], refusal[0])
+        if mode == w.mode:  # no move: the worker is asked (it says so, or mends a mode set behind the router's back)
+            status, body = await self.move_result(url, mode)
+            return _json(body, status)
         planner = self.st.planner
         planner.hand_move_started(url, w.mode, mode)
         status, body = await self.move_result(url, mode)
@@ -101,7 +104,8 @@ class RoleMover:
                 return _error(f"worker {url} reported mode {body.get('current_mode')} epoch {epoch}; "
                               f"expected {mode} with an epoch above {old_epoch}", 502, worker_response=body)
             await self._learn(w, mode, epoch)
-            logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
+            if mode != old_mode:
+                logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
             return 200, {"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
                          "timings_ms": body.get("timings_ms", {}), "message": str(body.get("message") or "")}
         finally:
@@ -145,7 +149,8 @@ def routable(layout: dict[str, int], enforce_disaggregation: bool) -> bool:
     return not enforce_disaggregation and bool(layout[NULL] or layout[DECODE])
 
 
-class SetRoleBody(msgspec.Struct):
+class SetRoleBody(msgspec.Struct, forbid_unknown_fields=True):
+    # a field it does not know is refused: the worker's own switch takes drain and timeout_s, this one does not
     url: str
     mode: str
     force: bool = False

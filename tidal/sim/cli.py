@@ -13,6 +13,7 @@ import msgspec
 from tidal.config import ServerArgs
 from tidal.planner.decide import floor_warning, has_path
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
+from tidal.profile.cost import prefill_extrapolation
 from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
@@ -404,12 +405,10 @@ def write_json(obj: Any, path: Optional[str]) -> None:
 
 
 def extrapolation_warnings(cost: Any, trace: list) -> list[str]:
-    """Where the workload's prompts take the cost model past twice what its profile measured (it extrapolates
-    linearly there: the run's numbers rest on that line)."""
-    longest, measured = max(t.input_tokens for t in trace), max(x.tokens for x in cost.profile.prefill)
-    if longest > 2 * measured:
-        return [f"prefill was measured up to {measured} tokens; the workload's prompts reach {longest}"]
-    return []
+    """Where the workload's prompts take the cost model past twice what its profile measured (the run's numbers
+    rest on its linear extrapolation there)."""
+    warning = prefill_extrapolation(cost.profile, max(t.input_tokens for t in trace))
+    return [warning.replace("the prompts", "the workload's prompts")] if warning else []
 
 
 def decode_batch_warning(cost: Any, largest_batch: int) -> Optional[str]:
