@@ -1,4 +1,5 @@
-"""What the prompts queued for prefill say of the mix, where the window has not seen it finish (pure, no I/O)."""
+"""What the prompts queued for prefill, or the newest arrivals, say of the mix where the window has not seen it
+finish (pure, no I/O)."""
 
 from __future__ import annotations
 
