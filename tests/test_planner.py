@@ -55,6 +55,17 @@ STARVED_DECODE = layout(2, 1, 0, decode={"running_reqs": 60})
 # ---------------------------------------------------------------- direction
 
 
+def test_a_hold_says_where_the_current_layout_is_none_the_planner_heads_for():
+    """All decode workers (a forced move by hand leads there; they prefill locally) is no layout the planner heads
+    for, and it may predict better than every one it does: the hold says why the better-looking current layout is
+    not the best one named."""
+    d = decide(NOW, cfg(), PlannerState(), layout(0, 3, 0), LONG_PROMPTS, COST)
+    assert d.kind == "hold" and d.current.capacity > d.target.capacity, d.reason
+    assert d.reason.startswith("the best layout the planner may head for (not the current one: it has no prefill "
+                               "and decode pair nor null worker) gains too little"), d.reason
+    assert decide(NOW, cfg(), PlannerState(), layout(2, 1, 0), LIGHT, COST).reason.startswith("the best layout gains")
+
+
 def test_starved_prefill_pool_gets_a_decode_worker():
     d = decide(NOW, cfg(), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
     assert d.kind == "move", d.reason

@@ -515,7 +515,11 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
            + queued_note)
     if not pays:
-        return _hold(now, "gain_too_small", f"the best layout gains too little: {why} (hysteresis {hysteresis})",
+        best_what = "the best layout"
+        if not target_allowed(heading, heading, cfg.min_per_pool):  # a move by hand (forced) led there
+            best_what = ("the best layout the planner may head for (not the current one: it has no prefill and "
+                         "decode pair nor null worker)")
+        return _hold(now, "gain_too_small", f"{best_what} gains too little: {why} (hysteresis {hysteresis})",
                      current, cands, target=target)
     legal = [c for c in cands if c.legal and c.prediction is not None]
     best = toward(target, heading, legal)
