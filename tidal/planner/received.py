@@ -63,8 +63,5 @@ class ReceivedPrompts:
     def mean_prompt(self, min_samples: int = MIN_RECEIVED_SAMPLES, since: float = float("-inf")) -> Optional[float]:
         """The mean prompt of the requests received over the window (those observed after `since`); None with
         fewer than `min_samples`, or when a prefill or null worker does not count them."""
-        recent = [(n, t) for at, n, t in self.received if at > since]
-        prompts = sum(n for n, _ in recent)
-        if not self.every_worker_reports or prompts < min_samples:
-            return None
-        return sum(t for _, t in recent) / prompts
+        prompts, mean = self.newest(since)
+        return mean if prompts and prompts >= min_samples else None

@@ -28,7 +28,7 @@ from typing import Any, Optional, Sequence
 
 import msgspec
 
-from tidal.planner.received import ReceivedPrompts
+from tidal.planner.received import MIN_RECEIVED_SAMPLES, ReceivedPrompts
 from tidal.planner.schema import Traffic, WorkerLoad
 from tidal.server_timing import mean_latencies, parse_server_timing
 
@@ -347,7 +347,7 @@ class TrafficWindow:
                        completed=len(done),
                        span_s=min(self.window_s, now - self.started_at),
                        recent_arrival_rate=self._rate(now, ANSWER_COHORT_S),
-                       recent_input_tokens=self.received.mean_prompt(since=now - ANSWER_COHORT_S) or 0.0,
+                       recent_input_tokens=recent_prompt_mean if recent_prompts >= MIN_RECEIVED_SAMPLES else 0.0,
                        recent_prompts=recent_prompts,
                        recent_prompt_mean=recent_prompt_mean,
                        recent_answers=recent_answers,

@@ -28,7 +28,7 @@ def stream_refusal(first: bytes) -> Optional[tuple[int, bytes]]:
     200 at once, and a refusal its scheduler decides (a worker that changed role since the router picked it, 409;
     one draining for a switch, 503) comes as the stream's only event. Nothing was generated, so the request can
     go elsewhere as a refusal by status would; None for anything else."""
-    if not first.startswith(b"data: {"):
+    if not first.startswith(b'data: {"error"'):  # a server's error event leads with it; any other stream goes on
         return None
     event = first[len(b"data: "):].split(b"\n", 1)[0]
     try:

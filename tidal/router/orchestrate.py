@@ -51,13 +51,13 @@ class RoleMover:
         refusal = self._refusal(w, url, mode) or (None if force else self._no_route_after(w, mode))
         if refusal is not None:
             return _json(refusal[1], refusal[0])
-        if mode == w.mode:  # no move: the worker is asked (it says so, or mends a mode set behind the router's back)
-            status, body = await self.move_result(url, mode)
-            return _json(body, status)
-        planner = self.st.planner
-        planner.hand_move_started(url, w.mode, mode)
+        # to its own mode no move: the worker is asked (it says so, or mends a mode set behind the router's back)
+        moving = mode != w.mode
+        if moving:
+            self.st.planner.hand_move_started(url, w.mode, mode)
         status, body = await self.move_result(url, mode)
-        planner.hand_move_finished(url, status == 200)
+        if moving:
+            self.st.planner.hand_move_finished(url, status == 200)
         return _json(body, status)
 
     def _refusal(self, w: Worker, url: str, mode: str) -> "tuple[int, dict] | None":
