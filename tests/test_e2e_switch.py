@@ -210,3 +210,42 @@ def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on
     finally:
         a.stop()
         b.stop()
+
+
+def test_a_server_switched_back_during_its_handover_is_null_again_while_its_answer_goes_on():
+    """Real servers: A (null) hands its streaming answer over to prefill, prefills one PD request for B, and is
+    switched back to null while the answer still streams: the switch back goes at once (no drain: the PD
+    prompt's KV was sent), the answer ends equal to the one before, and A serves colocated requests again."""
+    a, b = dynamic_server(), dynamic_server()
+    try:
+        n = 200
+        want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
+        assert switch(b.url, "decode").status_code == 200
+        got, first_token = [], threading.Event()
+        body = {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+                "stream": True}
+        t = threading.Thread(target=stream_into, args=(a.url, body, got, first_token))
+        t.start()
+        assert first_token.wait(120)
+        assert switch(a.url, "prefill", handover=True, drain=False).status_code == 200
+        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
+        pd_body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
+                                                           "ignore_eos": True},
+                   "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 4343}
+        with httpx.Client(timeout=120) as c:
+            leg = threading.Thread(target=lambda: c.post(a.url + "/generate", json=pd_body))
+            leg.start()
+            assert c.post(b.url + "/generate", json=pd_body).status_code == 200
+            leg.join()
+        r = switch(a.url, "null", drain=False)
+        assert r.status_code == 200, r.text
+        assert r.json()["current_mode"] == "null" and r.json()["epoch"] == 2 and "switched back" in r.json()["message"]
+        assert t.is_alive(), "the handed-over answer should still be streaming"
+        st = httpx.get(a.url + "/admin/disaggregation_status").json()
+        assert st["transition_state"] == "IDLE" and st["current_mode"] == "null"
+        assert gen(a.url, PROMPTS[2], 8).status_code == 200  # colocated again
+        t.join(300)
+        assert got == want
+    finally:
+        a.stop()
+        b.stop()

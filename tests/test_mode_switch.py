@@ -511,10 +511,10 @@ def test_handed_over_answers_retracted_under_prefill_are_prefilled_and_decoded_t
 
 
 def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio):
-    """During a handover to prefill a switch without drain is 409; with drain it waits until the decode role
-    is gone (a second one meanwhile is 409), then drains and runs; one whose timeout passes first gets 504
-    and the handover goes on. (To null a handover ends as soon as the decode role's own queues are empty:
-    null decodes the answers as its own.)"""
+    """During a handover to prefill a switch to a third role without drain is 409; with drain it waits until
+    the decode role is gone (a second one meanwhile is 409, a switch back to decode too), then drains and runs;
+    one whose timeout passes first gets 504 and the handover goes on. (To null a handover ends as soon as the
+    decode role's own queues are empty: null decodes the answers as its own.)"""
     import time
 
     (p, d, _), (pp, _, _) = trio
@@ -528,17 +528,166 @@ def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio
     d.step()
     (r,) = d.take_replies()
     assert r.status_code == 504 and "handover" in r.message and d.controller.state.value == "HANDOVER"
-    assert switch(d, "decode", drain=True, timeout_s=60) is None
-    second = switch(d, "null", drain=True)
-    assert second.status_code == 409 and "already waits" in second.message
-    replies = []
-
-    def done() -> bool:
-        replies.extend(d.take_replies())
-        return bool(replies)
-
-    run_all([p, d], out, done)
+    assert switch(d, "null", drain=True, timeout_s=60) is None
+    for mode in ("null", "decode"):
+        second = switch(d, mode, drain=True)
+        assert second.status_code == 409 and "already waits" in second.message
+    replies: list = []
+    run_all([p, d], out, replied(d, replies))
     (r,) = replies
-    assert r.status_code == 200 and r.current_mode == "decode" and r.timings_ms["drain"] > 0, r.message
-    assert finished(out, d, old) and type(d.role).__name__ == "DecodeRole"
+    assert r.status_code == 200 and r.current_mode == "null" and r.timings_ms["drain"] > 0, r.message
+    assert finished(out, d, old) and type(d.role).__name__ == "NullRole"
     assert all(out[id(d)][rid][0] == reference_generate(prompt, 60) for rid, prompt, _ in old)
+
+
+def replied(sched: Scheduler, replies: list):
+    """A `run_all` condition: `sched` answered a switch (collected into `replies`)."""
+    def done() -> bool:
+        replies.extend(sched.take_replies())
+        return bool(replies)
+    return done
+
+
+# ------------------------------------------------ a switch back to the old role during a handover
+
+
+def refused_now(sched: Scheduler, rid: str) -> int:
+    """The status code a new request gets from `sched` at once (0: it was taken)."""
+    sched.handle(GenerateReq(rid=rid, input_ids=[4, 5, 6], sampling=SamplingParams(max_new_tokens=3)))
+    ended = [o for o in sched.take_outbox() if o.rid == rid and o.finish_reason is not None]
+    return ended[0].finish_reason.status_code if ended else 0
+
+
+def test_a_switch_back_during_a_handover_waits_for_the_new_roles_own_requests_only(trio):
+    """D hands 2 long answers over to prefill and prefills PD prompts for X. A switch back to decode without
+    drain is 503 while those prompts are D's; with drain D refuses new requests, finishes sending them, and is a
+    decode server again long before the answers end, which it decodes on as its own; its cache is the one it had
+    as decode, and every output equals the reference."""
+    (p, d, x), (pp, pd_port, _) = trio
+    cache_kind = type(d.mem.tree_cache)
+    old = pd_prompts(pp, 2, "old", 41)
+    send_pd(p, d, old, 160)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 2)
+    epoch = d.controller.epoch
+    assert switch(d, "prefill", handover=True).status_code == 200
+    new = pd_prompts(pd_port, 3, "new", 42)
+    send_pd(d, x, new, 6)
+    r = switch(d, "decode")
+    assert r.status_code == 503 and "holds requests of its own" in r.message and d.role.name == "prefill", r.message
+    assert switch(d, "decode", drain=True, timeout_s=60) is None
+    assert refused_now(d, "late") == 503 and d.controller.state.value == "DRAINING"
+    replies: list = []
+    run_all([p, d, x], out, replied(d, replies))
+    (r,) = replies
+    assert r.status_code == 200 and r.current_mode == "decode" and r.epoch == epoch + 2, r.message
+    assert "switched back" in r.message and r.timings_ms["drain"] > 0
+    assert finished(out, d, new) and not finished(out, d, old)  # the prompts sent; the answers still run
+    assert type(d.role).__name__ == "DecodeRole" and type(d.mem.tree_cache) is cache_kind
+    d.check_integrity()
+    more = pd_prompts(pp, 2, "more", 43)
+    send_pd(p, d, more, 8)  # a decode server again: P's prompts decode here
+    run_all([p, d, x], out, lambda: finished(out, d, old + more))
+    for rid, prompt, _ in old + more:
+        assert out[id(d)][rid][0] == reference_generate(prompt, 160 if rid.startswith("old") else 8), rid
+    assert all(out[id(x)][rid][0] == reference_generate(prompt, 6) for rid, prompt, _ in new)
+    assert d.controller.state.value == "IDLE" and d.is_idle()
+    d.check_integrity()
+
+
+def test_a_null_server_switched_back_during_its_handover_keeps_everything():
+    """A null server that handed its answers over to prefill and took no PD prompt is null again at once, with
+    its radix cache, and finishes every answer to the reference."""
+    pn = free_port()
+    n = make(pn, "null")
+    try:
+        rng = random.Random(51)
+        own = [(f"own{i}", [rng.randrange(1, 500) for _ in range(rng.randint(3, 16))]) for i in range(3)]
+        for rid, prompt in own:
+            n.handle(GenerateReq(rid=rid, input_ids=prompt, sampling=SamplingParams(max_new_tokens=40, temperature=0)))
+        out: dict = {}
+        run_all([n], out, lambda: len(n.running) == 3)
+        assert switch(n, "prefill", handover=True).status_code == 200
+        cache, cached = n.mem.tree_cache, n.mem.tree_cache.total_size()
+        r = switch(n, "null")
+        assert r.status_code == 200 and r.current_mode == "null" and r.epoch == 2, r.message
+        assert n.mem.tree_cache is cache and cache.total_size() == cached > 0
+        assert type(n.role).__name__ == "NullRole" and n.controller.state.value == "IDLE"
+        run_all([n], out, lambda: finished(out, n, own))
+        assert all(out[id(n)][rid][0] == reference_generate(prompt, 40) for rid, prompt in own)
+        n.check_integrity()
+    finally:
+        n.shutdown()
+
+
+def test_a_switch_back_from_null_waits_for_prefixes_null_holds_where_decode_shares_none(trio):
+    """D (decode) hands a PD request still waiting for its KV over to null and serves a whole request. Back to
+    decode: where D's decode role had a radix cache the switch goes at once; where it shared none (switched from
+    null) it waits until no request holds a prefix in null's radix cache (the whole request has ended), then puts
+    a cache without sharing back. Every output equals the reference."""
+    (p, d, _), (pp, _, _) = trio
+    shares = type(d.mem.tree_cache).__name__ == "RadixCache"
+    waits = pd_prompts(pp, 1, "kv", 61)
+    send_pd(p, d, waits, 20)
+    d.step()  # its KV has not come: P has not run
+    epoch = d.controller.epoch
+    assert switch(d, "null", handover=True).status_code == 200 and d.controller.state.value == "HANDOVER"
+    whole = ("whole", [3, 1, 4, 1, 5, 9, 2, 6, 5, 3])
+    d.handle(GenerateReq(rid="whole", input_ids=whole[1], sampling=SamplingParams(max_new_tokens=30, temperature=0)))
+    out: dict = {}
+    run_all([d], out, lambda: len(d.running) == 1)
+    r = switch(d, "decode", drain=True, timeout_s=60)
+    replies: list = [] if r is None else [r]
+    assert (r is not None) == shares
+    run_all([p, d], out, replied(d, replies))
+    (r,) = replies
+    assert r.status_code == 200 and r.current_mode == "decode" and r.epoch == epoch + 2, r.message
+    assert finished(out, d, [whole]) != shares  # the whole request ended first where decode shares none
+    assert type(d.mem.tree_cache).__name__ == ("RadixCache" if shares else "ChunkCache")
+    run_all([p, d], out, lambda: finished(out, d, waits + [whole]))
+    assert out[id(d)]["kv0"][0] == reference_generate(waits[0][1], 20)
+    assert out[id(d)]["whole"][0] == reference_generate(whole[1], 30)
+    d.check_integrity()
+
+
+@pytest.mark.parametrize("step", ["check", "cache", "commit"])
+def test_a_switch_back_that_fails_leaves_the_handover_as_it_was(trio, step):
+    (p, d, _), (pp, _, _) = trio
+    old = pd_prompts(pp, 2, "old", 71)
+    send_pd(p, d, old, 40)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 2)
+    epoch = d.controller.epoch
+    assert switch(d, "prefill", handover=True).status_code == 200
+    d.controller.faults.step = step
+    r = switch(d, "decode")
+    assert r.status_code >= 500 and step in r.message and "still serving as prefill" in r.message, r.message
+    assert d.role.name == "prefill" and d.controller.state.value == "HANDOVER" and d.controller.epoch == epoch + 1
+    d.controller.faults.step = None
+    run_all([p, d], out, lambda: finished(out, d, old) and d.controller.state.value == "IDLE")
+    assert all(out[id(d)][rid][0] == reference_generate(prompt, 40) for rid, prompt, _ in old)
+    assert type(d.role).__name__ == "PrefillRole"
+    d.check_integrity()
+
+
+def test_a_switch_back_whose_drain_times_out_leaves_the_handover_going(trio):
+    import time
+
+    (p, d, x), (pp, pd_port, _) = trio
+    old = pd_prompts(pp, 1, "old", 81)
+    send_pd(p, d, old, 40)
+    out: dict = {}
+    run_all([p, d], out, lambda: len(d.running) == 1)
+    assert switch(d, "prefill", handover=True).status_code == 200
+    new = pd_prompts(pd_port, 1, "new", 82)
+    send_pd(d, x, new, 4)  # X is not stepped: the prompt stays D's
+    assert switch(d, "decode", drain=True, timeout_s=0.01) is None
+    time.sleep(0.05)
+    d.step()
+    (r,) = d.take_replies()
+    assert r.status_code == 504 and "still serving as prefill" in r.message, r.message
+    assert d.controller.state.value == "HANDOVER" and d.controller.admitting
+    run_all([p, d, x], out, lambda: finished(out, d, old) and finished(out, x, new)
+            and d.controller.state.value == "IDLE")
+    assert out[id(d)]["old0"][0] == reference_generate(old[0][1], 40)
+    assert out[id(x)]["new0"][0] == reference_generate(new[0][1], 4)

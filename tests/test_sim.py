@@ -215,20 +215,43 @@ def decode_worker_moved_twice(first: tuple[float, str], second: tuple[float, str
     return c, worker[0]
 
 
-def test_a_decode_worker_hands_its_answer_over_and_a_second_move_waits_for_it():
+def test_a_decode_worker_hands_its_answer_over_and_a_move_to_a_third_role_waits_for_it():
     """Decode -> prefill drains nothing (the live router asks for a handover): the worker switches at once
-    and finishes its answer as a prefill server; a move of it before then waits for the answer, as a drain
-    (the live worker holds a drained switch until its handover ends)."""
-    c, worker = decode_worker_moved_twice((2.0, "prefill"), (3.0, "decode"))
+    and finishes its answer as a prefill server; a move of it to null before then waits for the answer, as a
+    drain (the live worker holds a drained switch until its handover ends)."""
+    c, worker = decode_worker_moved_twice((2.0, "prefill"), (3.0, "null"))
     first, second = c.moves
     assert (first.outcome, first.drained, first.ended) == ("ok", 2.0, pytest.approx(2.25))
     r = c.requests[0]
     assert r.outcome == "finished" and r.generated == 60
     assert first.handed_over == r.finished_at  # the move's handover lasted until its answer ended
-    assert (second.outcome, second.drained) == ("ok", r.finished_at) and second.ended == pytest.approx(
-        r.finished_at + 0.25)
-    assert c.registry.get(worker).mode == "decode"
+    assert (second.outcome, second.drained, second.reversal) == ("ok", r.finished_at, False)
+    assert second.ended == pytest.approx(r.finished_at + 0.25)
+    assert c.registry.get(worker).mode == "null"
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
+
+
+def test_a_move_back_during_a_handover_goes_at_once_and_ends_it():
+    """Decode -> prefill, then back to decode a second later, while the handed-over answer still runs: the
+    prefill role took no prompt of its own, so the move back switches at once (live: ModeController's switch
+    back), the handover ends with it, and the answer ends under decode."""
+    c, worker = decode_worker_moved_twice((2.0, "prefill"), (3.0, "decode"))
+    first, second = c.moves
+    r = c.requests[0]
+    assert (second.outcome, second.reversal, second.drained, second.ended) == ("ok", True, 3.0, pytest.approx(3.25))
+    assert first.handed_over == pytest.approx(3.25) and first.handed_over < r.finished_at
+    assert r.outcome == "finished" and r.generated == 60 and c.registry.get(worker).mode == "decode"
+    assert all(inst.pd_decodes == 0 for inst in c.instances.values())
+
+
+def test_a_move_back_waits_for_the_prefill_roles_own_prompts():
+    from tidal.sim.instance import SimInstance
+
+    inst = SimInstance("p", "prefill", flat_cost(), Limits())
+    inst.assigned, inst.pd_decodes = 2, 1  # a handed-over answer and a PD prompt to prefill for another server
+    assert not inst.reversible()
+    inst.assigned = 1  # the prompt's KV was sent
+    assert inst.reversible()
 
 
 def test_a_decode_worker_moved_to_null_hands_over_only_the_requests_still_waiting_for_their_kv():

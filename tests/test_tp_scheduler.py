@@ -341,3 +341,37 @@ def test_tp_null_server_hands_its_requests_over_to_prefill_on_every_rank(pair):
     assert [bout[f"late{i}"][0] for i in range(2)] == [reference_generate(p, 6) for p in late]
     assert [aout[f"new{i}"][0] for i in range(2)] == [reference_generate(p, 8) for p in new]
     assert b.each(lambda s: (s.controller.state.value, type(s.role).__name__)) == [("IDLE", "PrefillRole")] * TP
+
+
+@pytest.mark.parametrize("rank", range(TP))
+def test_tp_switch_back_during_a_handover_fails_or_goes_on_every_rank_together(pair, rank):
+    """TP decode server B hands its answers over to prefill; a switch back to decode that fails on one rank leaves
+    every rank handing over, and the next one takes every rank back to decode at once, where the answers end
+    equal to the reference."""
+    a, b, pa, _ = pair
+    assert switch(a, "prefill").status_code == 200 and switch(b, "decode").status_code == 200
+    old = prompts_for(11, 2)
+    rng = random.Random(11)
+    for i, p in enumerate(old):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pa, bootstrap_room=rng.randrange(2**63))
+        for g in (a, b):
+            g.handle(GenerateReq(rid=f"old{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=40, temperature=0),
+                                 **f))
+    deadline = time.time() + 60
+    while len(b.lead.running) < 2:
+        assert time.time() < deadline
+        for g in (a, b):
+            g.each(lambda s: s.step())
+    got = take_lead_outputs(b)
+    assert switch(b, "prefill", handover=True).status_code == 200 and modes(b) == [("prefill", 2)] * TP
+    b.ranks[rank].controller.faults.step = "cache"
+    r = switch(b, "decode")
+    assert r.status_code == 500 and f"TP rank {rank}" in r.message and "still serving as prefill" in r.message
+    assert b.each(lambda s: (s.controller.state.value, s.role.name)) == [("HANDOVER", "prefill")] * TP
+    b.ranks[rank].controller.faults.step = None
+    r = switch(b, "decode")
+    assert r.status_code == 200 and "switched back" in r.message, r.message
+    assert modes(b) == [("decode", 3)] * TP
+    assert b.each(lambda s: type(s.role).__name__) == ["DecodeRole"] * TP
+    bout = run([b])[0]
+    assert [got.get(f"old{i}", []) + bout[f"old{i}"][0] for i in range(2)] == [reference_generate(p, 40) for p in old]

@@ -3,7 +3,9 @@
 States: IDLE -> CHECKING -> (DRAINING) -> SWITCHING -> IDLE, and SWITCHING -> ROLLBACK -> IDLE;
 a handover (decode -> prefill or null, null -> prefill, `handover: true`): SWITCHING -> HANDOVER ->
 IDLE, the new role serving from HANDOVER on while the old role finishes what it held
-(roles/handover.py).
+(roles/handover.py). A switch back to the old role during a handover waits for the new role's own
+requests only (HANDOVER -> (DRAINING) -> SWITCHING -> IDLE): the old role never stopped, and takes the
+server back with what it still holds; one that fails or times out leaves the handover as it was.
 A switch runs inside the scheduler loop between iterations, never beside a forward pass.
 Nothing of the old role is released until the new one is committed, so a failure at any
 step restores the snapshot exactly: the old role keeps serving, its bootstrap server and
@@ -47,6 +49,7 @@ class PendingSwitch:
     drain_started: float = 0.0
     timings_ms: dict = field(default_factory=dict)
     handover: bool = False  # the old role's requests go on under the new role instead of being drained
+    reversal: bool = False  # back to the role a handover replaced, which still holds its requests
 
 
 class ModeController:
@@ -77,6 +80,8 @@ class ModeController:
         invalid = self._invalid(msg.mode)
         if invalid is not None:
             return self._reply(msg, *invalid)
+        if self.state == TransitionState.HANDOVER and self.queued is None and msg.mode == self.s.role.old.name:
+            return self._begin_reversal(msg)
         if self.state == TransitionState.HANDOVER and msg.drain and self.queued is None:
             self.queued = PendingSwitch(msg, drain_started=time.monotonic())
             logger.info("a switch to %s waits for the handover to end (timeout %.1fs)", msg.mode, msg.timeout_s)
@@ -108,6 +113,46 @@ class ModeController:
             pending.timings_ms["drain"] = round((time.monotonic() - drain_started) * 1000, 3)
         return self._switch(pending)
 
+    def _begin_reversal(self, msg: SwitchModeReq) -> Optional[SwitchModeResp]:
+        """Back to the role a handover replaced: at once where the new role holds no request of its own,
+        else after draining those (with drain), else 503."""
+        self.target = msg.mode
+        pending = PendingSwitch(msg, drain_started=time.monotonic(), reversal=True)
+        if self._reversible():
+            return self._reverse(pending)
+        if not msg.drain:
+            self.target = None
+            return self._reply(msg, 503, f"the {self.s.role.name} role holds requests of its own "
+                                         f"({self._own_work()}); retry or use drain")
+        self.state, self.pending = TransitionState.DRAINING, pending
+        logger.info("draining the %s role's own requests to switch back to %s (timeout %.1fs)", self.s.role.name,
+                    msg.mode, msg.timeout_s)
+        return None
+
+    def _own_work(self) -> str:
+        """What the new role of a handover holds of its own, for messages."""
+        s, new = self.s, self.s.role.new
+        prompts = sum(r.pd is not None for r in self._prompts())
+        locked = s.mem.tree_cache.protected_size() if s.role.replaced_cache else 0
+        parts = [f"{k} {v}" for k, v in new.queue_sizes().items() if v]
+        parts += [f"{prompts} PD prompts to prefill"] if prompts else []
+        parts += [f"{locked} prefix-cache tokens in use"] if locked else []
+        return ", ".join(parts) or "a pass in flight"
+
+    def _prompts(self) -> list:
+        chunked = self.s.planner.chunked_req
+        return self.s.waiting_queue + ([chunked] if chunked is not None else [])
+
+    def _reversible(self) -> bool:
+        """The new role of a handover holds nothing the old one cannot take back: its own queues are empty,
+        no prompt waits to be prefilled for a decode partner, and where the handover replaced the prefix cache
+        (a decode role that shared none) no request holds a prefix in it and no chunked prefill is midway: every
+        request then owns all its KV, as when the handover began."""
+        s, role = self.s, self.s.role
+        if s.inflight is not None or not role.new.is_idle() or any(r.pd is not None for r in self._prompts()):
+            return False
+        return not role.replaced_cache or (s.planner.chunked_req is None and s.mem.tree_cache.protected_size() == 0)
+
     def _ready(self, p: PendingSwitch) -> bool:
         """Nothing left that the switch must wait for: every request gone, or for a handover that replaces
         the prefix cache a chunked prefill (its prefix moves to the new prefix cache only once whole)."""
@@ -133,7 +178,8 @@ class ModeController:
     def _busy(self) -> Optional[tuple[int, str]]:
         if self.state == TransitionState.HANDOVER:
             queued = f"; a switch to {self.queued.msg.mode} already waits for it" if self.queued else \
-                "; retry when it is done, or ask with drain to wait for it"
+                f"; retry when it is done, or ask with drain to wait for it (a switch back to {self.s.role.old.name} " \
+                f"waits for none)"
             return 409, (f"the {self.s.role.old.name} role is still finishing the requests it held when this server "
                          f"switched to {self.s.role.name} (handover){queued}")
         if self.state != TransitionState.IDLE:
@@ -168,6 +214,9 @@ class ModeController:
         p = self.pending
         if self.state != TransitionState.DRAINING or p is None:
             return
+        if p.reversal:
+            self._draining_for_reversal(p)
+            return
         waited = time.monotonic() - p.drain_started
         if self._ready(p):
             self.pending = None
@@ -180,6 +229,23 @@ class ModeController:
             self.last_error = f"drain timed out after {p.msg.timeout_s}s"
             self.s.replies.append(self._reply(p.msg, 504, f"{self.last_error}; rolled back, still serving as "
                                                           f"{self.s.role.name}"))
+
+    def _draining_for_reversal(self, p: PendingSwitch) -> None:
+        """Switch back once the new role's own requests are gone; past the timeout the handover goes on."""
+        waited = time.monotonic() - p.drain_started
+        if self._reversible() or (self.s.drain() and self._reversible()):
+            self.pending = None
+            p.timings_ms["drain"] = round(waited * 1000, 3)
+            self.s.replies.append(self._reverse(p))
+        elif any_rank(self.tp, waited > p.msg.timeout_s):
+            self.pending = None
+            self.state, self.target = TransitionState.HANDOVER, None
+            self.last_error = f"drain timed out after {p.msg.timeout_s}s"
+            self.s.replies.append(self._reply(p.msg, 504, f"{self.last_error}; {self._still_handing_over()}"))
+
+    def _still_handing_over(self) -> str:
+        role = self.s.role
+        return f"still serving as {role.name}, the {role.old.name} role finishing its requests (handover)"
 
     def _during_handover(self) -> None:
         """Retire the old role once every rank finds it holds nothing, then start the switch queued
@@ -255,6 +321,58 @@ class ModeController:
         logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
         return self._reply(p.msg, 200, text, p.timings_ms)
 
+    def _reverse(self, p: PendingSwitch) -> SwitchModeResp:
+        """The old role of a handover serves again, with what it still holds; the new role goes. A step that
+        fails leaves the handover as it was."""
+        s, role, mode = self.s, self.s.role, p.msg.mode
+        t0 = time.monotonic()
+        self.state = TransitionState.SWITCHING
+        made: dict[str, Any] = {"cache": None}
+
+        def check() -> None:
+            self.faults.check("check", self.target)
+            if not self._reversible():
+                raise SwitchFailed(f"the {role.name} role holds requests of its own ({self._own_work()})", 503)
+
+        def cache() -> None:  # where the handover replaced the cache, one of the kind the old role had
+            if role.replaced_cache:
+                made["cache"] = self._cache_for(mode, p.msg.flush_cache, radix=not self._wants_radix(role.new.name))
+            self.faults.check("cache", self.target)
+
+        def commit() -> None:
+            self.faults.check("commit", self.target)
+
+        for step in (check, cache, commit):
+            error = None
+            try:
+                step()
+            except Exception as e:
+                error = e
+            failure = agree(self.tp, step.__name__, error)
+            if failure is not None:
+                why, code = failure
+                self.state, self.target = TransitionState.HANDOVER, None
+                self.last_error = f"switch back to {mode} failed{why}"
+                logger.warning("%s; the handover to %s goes on", self.last_error, role.name)
+                return self._reply(p.msg, code, f"{self.last_error}; {self._still_handing_over()}")
+        held = len(s.live_reqs()) + len(s.waiting_queue) + len(role.old.queued_reqs())
+        if made["cache"] is not None:
+            s.mem.tree_cache.flush()  # nothing in it is locked (checked): every request owns its KV
+            s.set_cache(made["cache"])
+            role.reroot(made["cache"].root_node)
+        s.role = role.old
+        self._dispose(role.new)
+        self.epoch += 1
+        self._to_idle()
+        p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
+        p.timings_ms.setdefault("drain", 0.0)
+        self.last_timings_ms = dict(p.timings_ms)
+        self.last_error = None
+        text = (f"switched back from {role.name} to {mode} during its handover; the {held} "
+                f"request{'s' if held != 1 else ''} held go on under {mode}")
+        logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
+        return self._reply(p.msg, 200, text, p.timings_ms)
+
     def _check_quiescent(self, handover: bool, keeps_cache: bool) -> None:
         """Nothing runs (a handover: no pass in flight, nor a chunked prefill where the prefix cache is
         replaced; the requests it hands over keep their locks in a prefix cache that stays, and hold none in
@@ -270,12 +388,13 @@ class ModeController:
         if self.s.mem.tree_cache.protected_size() > 0:
             raise SwitchFailed("the prefix cache still has locked entries")
 
-    def _cache_for(self, mode: str, flush: bool):
-        """The cache the target role needs (None: keep the current one). Nothing is freed yet."""
+    def _cache_for(self, mode: str, flush: bool, radix: Optional[bool] = None):
+        """The cache the target role needs (None: keep the current one; `radix`: of that kind). Nothing is
+        freed yet."""
         mem = self.s.mem
-        if self._keeps_cache(mode):
+        if radix is None and self._keeps_cache(mode):
             return None
-        want_radix = self._wants_radix(mode)
+        want_radix = self._wants_radix(mode) if radix is None else radix
         if not want_radix and mem.tree_cache.total_size() > 0 and not flush:
             raise SwitchFailed("decode needs an empty prefix cache: it holds entries and flush_cache is false", 409)
         return mem.make_cache(radix=want_radix)

@@ -36,12 +36,14 @@ class HandoverRole:
         self.s, self.new, self.old = sched, new, old
         self.name = new.name
         self.answers_owed_s = 0.0  # prefill: decode time the handed-over answers are owed
+        self.replaced_cache = False  # the switch put a new kind of prefix cache under the requests (reroot)
         self._batch_started = 0.0
 
     def reroot(self, root: Any) -> None:
         """Under a new radix cache (the decode role's had no sharing) every request held owns all its KV.
         (A null role's radix cache stays under prefill: its requests keep their prefix locks.)"""
         s = self.s
+        self.replaced_cache = True
         for req in [*s.live_reqs(), *s.waiting_queue, *self.old.queued_reqs()]:
             req.last_node = root
             req.prefix_indices = req.prefix_indices[:0]

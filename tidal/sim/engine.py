@@ -21,7 +21,8 @@ the router's switch timeout fails the move and the worker returns to its pool. A
 worker moving to prefill or null, and a null worker moving to prefill, hand over what they hold
 as the live router asks them to (unless `decode_move` is "drain"): they switch at once and finish
 it in the new role; a move of a worker still doing so waits for it as a drain (the live worker
-holds a drained switch until its handover ends).
+holds a drained switch until its handover ends), except a move back to the role it handed over from,
+which waits only for what the new role took on itself (a prefill server's PD prompts).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ class Move:
     outcome: str = ""
     handover: bool = False  # switching without a drain (HANDOVER_SWITCHES), what it held finished in the new role
     handed_over: Optional[float] = None  # a handover: when the worker had finished the requests it held
+    reversal: bool = False  # back to the role a handover in progress replaced: that handover ends here
 
 
 class Cluster:
@@ -525,6 +527,7 @@ class Cluster:
         self._record_pools()
         inst = self.instances[url]
         move.handover = (move.src, dst) in HANDOVER_SWITCHES and self.cfg.planner.decode_move == "handover"
+        move.reversal = inst.handover_move is not None and inst.handover_move.src == dst
         if move.handover and not inst.handing_over():  # nothing to drain
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
@@ -534,17 +537,23 @@ class Cluster:
 
     def _check_drain(self, inst: SimInstance) -> None:
         """A drain ends when the worker holds nothing; a handover's wait, when the one before it has ended (the
-        live worker queues a switch asked for during a handover until then)."""
+        live worker queues a switch asked for during a handover until then); a move back, when the role it
+        reverses holds nothing of its own."""
         move = self._moving.get(inst.url)
         if move is None or move.drained is not None:
             return
-        if (not inst.handing_over()) if move.handover else inst.idle():
+        if move.reversal:
+            ready = inst.reversible()
+        else:
+            ready = (not inst.handing_over()) if move.handover else inst.idle()
+        if ready:
             move.drained = self.now
             self.at(self.now + self.cost.switch_seconds(move.src, move.dst), self._switched, move)
 
     def _switched(self, move: Move) -> None:
         inst = self.instances[move.worker]
         inst.mode = move.dst
+        self._note_handover_end(inst)  # a move back ends the handover it reverses
         if inst.handing_over():
             inst.handover_move = move
         elif move.handover:

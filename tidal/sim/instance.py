@@ -172,6 +172,12 @@ class SimInstance:
             return self.pd_decodes > 0 or self.null_reqs > 0
         return self.mode == NULL and self.pd_awaiting_kv > 0
 
+    def reversible(self) -> bool:
+        """A switch back to the role a handover replaced may go (live: ModeController._reversible): a prefill
+        server holds no PD prompt of its own. (Under null, the live server waits for the prefixes its requests
+        hold where its decode role shared none; no prefix cache here.)"""
+        return self.mode != PREFILL or self.assigned == self.pd_decodes + self.null_reqs
+
     def next_step(self) -> Optional[Step]:
         if self.mode == DECODE or self.arrived:
             self._admit_arrived()
