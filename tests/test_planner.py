@@ -664,8 +664,10 @@ def test_cluster_refuses_bad_planner_flags_before_starting_a_server(tmp_path, ca
     cluster.add_cluster_args(parser)
     started = []
     monkeypatch.setattr(cluster.subprocess, "Popen", lambda *a, **k: started.append(a))
-    for flags, says in ((["--planner-profile", str(tmp_path / "missing.json")], "cannot read profile"),
-                        (["--planner-hysteresis", "-1"], "--planner-hysteresis")):
+    missing = str(tmp_path / "missing.json")
+    for flags, says in ((["--planner-profile", missing], f"[cluster] error: --planner-profile: cannot read profile "
+                                                         f"{missing}"),
+                        (["--planner-hysteresis", "-1"], "[cluster] error: planner: --planner-hysteresis")):
         assert cluster.run_cluster(parser.parse_args(["--planner", "sla", *flags])) == 2
         assert says in capsys.readouterr().err
     assert started == []
@@ -682,7 +684,8 @@ def test_router_refuses_an_unreadable_profile(tmp_path, capsys):
     bad.write_text('{"version": 1, "prefill": "not a list"}')
     for path in (str(tmp_path / "missing.json"), str(bad)):
         assert run_router(parser.parse_args(["--planner", "sla", "--planner-profile", path])) == 2
-        assert "--planner-profile" in capsys.readouterr().err
+        err = capsys.readouterr().err
+        assert "tidal router: error: --planner-profile" in err and err.count(path) == 1, err  # the file named once
 
 
 def test_ties_go_to_the_worker_with_least_to_drain_counting_router_in_flight():

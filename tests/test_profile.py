@@ -416,3 +416,29 @@ def test_an_output_that_cannot_be_written_is_refused_before_measuring(tmp_path, 
     assert main(["profile", "--url", url, "--output", str(tmp_path / "p.json"), "--decode-url", url]) == 1
     err = capsys.readouterr().err
     assert "--decode-url needs --measure-switch" in err and "cannot connect" not in err
+
+
+def test_a_profile_of_one_length_or_one_batch_is_said_to_be_flat(tmp_path, capsys):
+    """One prefill length, or one decode batch size: no line to draw, the cost model gives that time everywhere;
+    `tidal sim` and the planner say so, and no extrapolation warning claims a line. `tidal profile` refuses to
+    measure such a grid."""
+    from tidal.cli import main
+    from tidal.profile.cost import flat_curves, prefill_extrapolation
+
+    one = {"version": 1, "server": {"max_total_tokens": 100000}, "prefill": [{"tokens": 32, "seconds": 0.083}],
+           "decode": [{"batch": 1, "context_tokens": c, "step_seconds": 0.02} for c in (64, 512)]}
+    cm = CostModel.from_dict(one)
+    assert cm.prefill_seconds(8000) == cm.prefill_seconds(32) == pytest.approx(0.083)
+    said = flat_curves(cm.profile)
+    assert "prefill at one prompt length (32 tokens)" in said and "decode at one batch size (1)" in said
+    assert prefill_extrapolation(cm.profile, 8000) is None
+    assert flat_curves(CostModel.from_dict(make_profile()).profile) is None
+    path = tmp_path / "one.json"
+    path.write_text(json.dumps(one))
+    main(["sim", "--profile", str(path), "--instances", "2", "--duration-s", "20", "--output", str(tmp_path / "r.json")])
+    err = capsys.readouterr().err
+    assert "the profile measured prefill at one prompt length" in err and "extrapolates" not in err
+    for grid, says in ((["--prefill-tokens", "32"], "--prefill-tokens needs two lengths or more"),
+                       (["--decode-batches", "4,4"], "--decode-batches needs two sizes or more")):
+        assert main(["profile", "--url", "http://127.0.0.1:9", "--output", str(tmp_path / "p.json"), *grid]) == 2
+        assert says in capsys.readouterr().err

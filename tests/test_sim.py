@@ -437,6 +437,13 @@ def test_a_starting_pool_below_the_planners_floor_is_warned_of(capsys):
     (["--phase-layouts", "2:2:0,3:1:0", "--instances", "4"], "--phase-layouts needs a workload with phases"),
     (["--workload", "shift", "--phase-layouts", "2:2:0,3:1:0", "--instances", "4", "--planner", "sla"],
      "--phase-layouts replaces the planner in a run"),
+    (["--layouts", "planner"], "--layouts: read by `tidal sim goodput` only"),
+    (["--rate-samples", "3", "--split-step", "2"], "--rate-samples, --split-step: read by `tidal sim goodput` only"),
+    (["goodput", "--tolerance", "0.1"], "--tolerance: read by `tidal sim calibrate` only"),
+    (["--moves", "planner"], "--moves: read by `tidal sim calibrate` only"),
+    (["--workload", "azure-code", "--phase-s", "10"], "--phase-s: azure-code has no phases"),
+    (["goodput", "--workload", "azure-conv", "--phase-rate-ratio", "even"], "--phase-rate-ratio: azure-conv has no"),
+    (["goodput", "--workload", "shift", "--layouts", "phases"], "--layouts phases needs --phase-layouts"),
 ])
 def test_bad_flags_are_one_clear_line_before_anything_runs(capsys, flags, says):
     argv = ["sim"] + flags if flags[0] in ("goodput", "calibrate") else ["sim", "run"] + flags
@@ -459,12 +466,14 @@ def test_bad_files_are_one_clear_line_not_a_traceback(tmp_path, capsys):
     for name, message in says.items():
         assert message in sim_error(capsys, run + ["--trace", str(tmp_path / name)])
     benches = {"list.json": "[1, 2]", "not.json": "root:x", "empty.json": '{"requests": []}',
-               "field.json": '{"requests": [{"start": "x", "success": true, "prompt_tokens": 1, "output_tokens": 1}]}'}
+               "field.json": '{"requests": [{"start": "x", "success": true, "prompt_tokens": 1, "output_tokens": 1}]}',
+               "failed.json": '{"requests": [{"start": 0.0, "success": false, "prompt_tokens": 1, "output_tokens": 1}]}'}
     for name, text in benches.items():
         (tmp_path / name).write_text(text)
     says = {"list.json": "not a `tidal bench --output-file` JSON (Expected `object`, got `array`)",
             "not.json": "not a `tidal bench --output-file` JSON (JSON is malformed",
-            "empty.json": "no per-request records", "field.json": "at `$.requests[0].start`"}
+            "empty.json": "no per-request records", "field.json": "at `$.requests[0].start`",
+            "failed.json": "no live request succeeded: no latency to compare"}
     for name, message in says.items():
         assert message in sim_error(capsys, ["sim", "calibrate", "--bench-json", str(tmp_path / name)])
 
@@ -493,7 +502,43 @@ def test_layouts_that_never_meet_the_slos_are_marked_and_none_is_best(tmp_path, 
                  "--layouts", "2:2,colocated")
     assert [r["goodput_rps"] for r in d["results"]] == [0, 0] and all(r["never_met"] for r in d["results"])
     assert d["best_static"] is None and not any(r.get("best_static") for r in d["results"])
-    assert "met the SLOs at no rate tried" in capsys.readouterr().err
+    assert all(r["alone_attainment"] == 0 and r["probes"] == 2 for r in d["results"])  # no 12 halvings
+    err = capsys.readouterr().err
+    assert "static 2:2 meets the SLOs at no rate: 0.0% of the requests meet both even each alone" in err
+    assert "no layout meets the SLOs at any rate: give lengths and SLOs the profile can meet" in err
+
+
+def test_a_layout_whose_requests_miss_even_alone_is_not_searched_down_twelve_halvings():
+    """Without the check, a search halves the rate 12 times (on the trace clock 4096x the virtual time; with a
+    lookahead, tens of minutes): after the first halving it asks whether enough requests meet the SLOs each alone
+    on an idle server, which no rate can beat."""
+    probes = []
+
+    def attains(scale: float) -> bool:
+        probes.append(scale)
+        return False
+
+    assert search_rate(attains, 1.0, 0.03, hopeless=lambda: True) == 0 and len(probes) == 2
+    probes.clear()
+    assert search_rate(attains, 1.0, 0.03, hopeless=lambda: False) == 0 and len(probes) == 13
+
+
+def test_alone_requests_meet_the_slos_where_a_loaded_cluster_does_not(tmp_path):
+    """The alone bound of a layout that meets the SLOs at some rate is at least the target: its search goes on."""
+    import argparse
+
+    from tidal.sim.cli import add_sim_args
+    from tidal.sim.goodput import AloneAttainment, alone_trace
+
+    trace = [TraceRequest(0.0, 100, 30), TraceRequest(0.0, 100, 30)]
+    spaced = alone_trace(trace, flat_cost())
+    assert spaced[0].arrival == 0 and spaced[1].arrival == pytest.approx(2 * (1.0 + 0.5 + 30 * 0.1) + 1)
+    parser = argparse.ArgumentParser()
+    add_sim_args(parser)
+    ns = parser.parse_args(["goodput", "--instances", "4", "--duration-s", "30", "--length-scale", "0.25",
+                            "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"])
+    alone = AloneAttainment(ns, CostModel.from_file(default_profile()), 1.0)
+    assert alone("pd") >= 0.9 and alone("null") >= 0.9 and set(alone.by_path) == {"pd", "null"}
 
 
 def test_goodput_searches_a_split_named_in_layouts(tmp_path):

@@ -24,6 +24,7 @@ from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member, usable_cpus
 from tidal.leftovers import sweep_stale_segments
 from tidal.planner.flags import add_planner_args, planner_argv, planner_config_from_namespace
+from tidal.profile.schema import profile_error
 from tidal.router.policies import POLICIES
 
 READY_TIMEOUT_S = 900.0
@@ -207,9 +208,12 @@ def planner_problem(ns: argparse.Namespace) -> str:
 
     try:
         planner_config_from_namespace(ns)
+    except ValueError as e:
+        return f"error: planner: {e}"
+    try:
         load_cost_model(ns.planner_profile)
     except (OSError, ValueError) as e:  # a profile's format error is a ValueError
-        return f"planner: {e}"
+        return f"error: {profile_error('--planner-profile', ns.planner_profile, e)}"
     return ""
 
 

@@ -49,12 +49,12 @@ def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:
 def load_cost_model(path: Optional[str]) -> Any:
     if not path:
         return None
-    from tidal.profile.cost import CostModel, host_mismatch
+    from tidal.profile.cost import CostModel, flat_curves, host_mismatch
 
     cost = CostModel.from_file(path)
-    warning = host_mismatch(cost.profile)
-    if warning:
-        logger.warning("--planner-profile %s: %s", path, warning)
+    for warning in (host_mismatch(cost.profile), flat_curves(cost.profile)):
+        if warning:
+            logger.warning("--planner-profile %s: %s", path, warning)
     return cost
 
 

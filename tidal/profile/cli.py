@@ -84,6 +84,16 @@ def _say(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def grid_problem(ns: argparse.Namespace) -> str:
+    """Why the grid asked for cannot make a cost model ("" when it can): the model draws lines between measured
+    points, and with one prompt length (or one decode batch size) every prompt (or batch) would cost the same."""
+    if len(set(ns.prefill_tokens)) < 2:
+        return "--prefill-tokens needs two lengths or more: the cost model draws lines between them"
+    if ns.decode_batches and len(set(ns.decode_batches)) < 2:
+        return "--decode-batches needs two sizes or more: the cost model draws lines between them"
+    return ""
+
+
 def output_problem(path: str) -> str:
     """Why the profile could not be written at `path` ("" when it could): checked before minutes of measuring."""
     folder = os.path.dirname(os.path.abspath(path))
@@ -115,6 +125,10 @@ def run_profile_cli(ns: argparse.Namespace) -> int:
     from tidal.profile.schema import ProfileFormatError, save_profile
 
     keys_from_env(ns)
+    problem = grid_problem(ns)
+    if problem:
+        _say(f"tidal profile: error: {problem}")
+        return 2
     opts = Options(url=ns.url, prefill_tokens=ns.prefill_tokens, prefill_batches=ns.prefill_batches,
                    decode_batches=ns.decode_batches,
                    decode_contexts=ns.decode_contexts, decode_tokens=ns.decode_tokens, repeats=ns.repeats,

@@ -207,10 +207,24 @@ def host_mismatch(profile: Profile, host_flags: Optional[list[str]] = None) -> O
             f"hold here: measure this host with `tidal profile`")
 
 
+def flat_curves(profile: Profile) -> Optional[str]:
+    """Where the profile measured prefill at one prompt length or decode at one batch size: with no second point
+    to draw a line through, the cost model gives that one time at every length or batch; None with two or more."""
+    lengths = sorted({x.tokens for x in profile.prefill})
+    batches = sorted({x.batch for x in profile.decode})
+    parts = [f"prefill at one prompt length ({lengths[0]} tokens): every prompt costs its time"] * (len(lengths) == 1)
+    parts += [f"decode at one batch size ({batches[0]}): a step of any batch costs its time"] * (len(batches) == 1)
+    if not parts:
+        return None
+    return f"the profile measured {'; and '.join(parts)} (measure two or more with `tidal profile`)"
+
+
 def prefill_extrapolation(profile: Profile, longest_prompt: int) -> Optional[str]:
     """Where prompts take the cost model past twice the longest prefill its profile measured (it extrapolates
-    linearly there: predictions rest on that line); None within it."""
-    measured = max((x.tokens for x in profile.prefill), default=0)
-    if measured and longest_prompt > 2 * measured:
+    linearly there: predictions rest on that line); None within it, and where it measured one length (no line:
+    `flat_curves` says so)."""
+    lengths = {x.tokens for x in profile.prefill}
+    measured = max(lengths, default=0)
+    if len(lengths) > 1 and longest_prompt > 2 * measured:
         return f"prefill was measured up to {measured} tokens; the prompts reach {longest_prompt}"
     return None

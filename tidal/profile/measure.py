@@ -281,6 +281,8 @@ def prefill_batch_cells(opts: Options, facts: ServerFacts) -> list[tuple[int, in
 def measure_prefill_batches(http: Http, opts: Options, facts: ServerFacts,
                             rng: random.Random) -> list[PrefillBatchPoint]:
     cells = prefill_batch_cells(opts, facts)
+    if not cells and all(k <= 1 for k in opts.prefill_batches):
+        return []  # none asked for
     if not cells:
         opts.notes.append("prefill_batch not measured: no batch of --prefill-batches fits one prefill step "
                           f"({facts.info.prefill_step_tokens} tokens); a batch costs as one prompt of its total length")

@@ -102,6 +102,11 @@ def check_profile(p: Profile) -> Profile:
     return p
 
 
+def profile_error(flag: str, path: str, error: Exception) -> str:
+    """`flag path: what is wrong`, the path said once (a ProfileFormatError names the file already)."""
+    return f"{flag}: {error}" if str(path) in str(error) else f"{flag} {path}: {error}"
+
+
 def profile_from_dict(d: Any) -> Profile:
     try:
         return check_profile(msgspec.convert(d, Profile))

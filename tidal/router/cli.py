@@ -12,6 +12,7 @@ import msgspec
 from tidal.config import keys_from_env
 from tidal.http_timeout import DEFAULT_READ_TIMEOUT_S, h11_with_read_timeout
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
+from tidal.profile.schema import profile_error
 from tidal.router.config import RouterConfig
 from tidal.router.policies import POLICIES
 from tidal.router.workers import (
@@ -122,7 +123,7 @@ def run_router(ns: argparse.Namespace) -> int:
     try:
         app = create_router_app(cfg)
     except (OSError, ValueError, msgspec.MsgspecError) as e:  # the planner's profile
-        print(f"tidal router: error: --planner-profile {cfg.planner_profile}: {e}", file=sys.stderr)
+        print(f"tidal router: error: {profile_error('--planner-profile', cfg.planner_profile, e)}", file=sys.stderr)
         return 2
     uvicorn.run(app, host=cfg.host, port=cfg.port, log_level=cfg.log_level, timeout_graceful_shutdown=5,
                 http=h11_with_read_timeout(ns.http_read_timeout_secs))

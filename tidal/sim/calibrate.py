@@ -219,12 +219,14 @@ def moving(ns: Any, bench: dict) -> dict:
 
 
 def run_calibrate(ns: Any, cost: Any, limits: Limits) -> int:
-    from tidal.sim.cli import write_json
+    from tidal.sim.cli import fail, write_json
 
     if not ns.bench_json:
         raise SystemExit("tidal sim calibrate: --bench-json is required")
     k, p, d = calibrate_layout(ns)
     bench = load_bench(ns.bench_json)
+    if not any(r["success"] for r in bench["requests"]):
+        fail(f"--bench-json {ns.bench_json}: no live request succeeded: no latency to compare")
     warning = host_mismatch(cost.profile)
     if warning:  # the live run was on this host
         print(f"warning: --profile {ns.profile}: {warning}", file=sys.stderr)

@@ -13,13 +13,21 @@ import msgspec
 from tidal.config import ServerArgs
 from tidal.planner.decide import floor_warning, has_path
 from tidal.planner.flags import add_planner_args, planner_config_from_namespace
-from tidal.profile.cost import prefill_extrapolation
+from tidal.profile.cost import flat_curves, prefill_extrapolation
+from tidal.profile.schema import profile_error
 from tidal.router.policies import POLICIES
 from tidal.sim.engine import Cluster, SimConfig
 from tidal.sim.instance import Limits
 from tidal.sim.report import plot, report
 from tidal.sim.workload import (CLOCKS, EVEN, PHASE_MIXES, WORKLOADS, WorkloadSpec, check, clock_of,
                                 even_phase_rate_ratio, make_workload, phase_period, virtual_span)
+
+# flags only one action, or the workloads with phases, read (dest: default): set elsewhere they are refused, not
+# ignored
+GOODPUT_ONLY = {"target_attainment": 0.9, "rate_tolerance": 0.03, "rate_samples": 1, "split_step": 1,
+                "layouts": "colocated,static,planner"}
+CALIBRATE_ONLY = {"moves": "live", "tolerance": 0.25}
+PHASED_ONLY = {"phase_s": 120.0, "phase_rate_ratio": 1.0}
 
 DEFAULT_PROFILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "profile", "data",
                                "smollm2_cpu_2core.json")
@@ -50,7 +58,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                    help="on the trace clock: seconds of workload at rate scale 1 (the run's arrivals span "
                         "duration / rate scale virtual seconds); on the wall clock: virtual seconds at every rate "
                         "(default: 300)")
-    p.add_argument("--phase-s", type=float, default=120.0,
+    p.add_argument("--phase-s", type=float, default=PHASED_ONLY["phase_s"],
                    help="shift / azure-shift: seconds per phase, on the --clock (default: 120)")
     p.add_argument("--clock", "--phase-clock", dest="clock", choices=CLOCKS, default=None,
                    help="wall: --phase-s and --duration-s are virtual seconds at every rate (a shifting mix shifts "
@@ -59,7 +67,7 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
                         "seconds of workload at rate scale 1, divided by the rate scale (the same requests at every "
                         "rate, a shorter run and shorter phases at higher rates) (default: wall for shift and "
                         "azure-shift, trace for azure-code and azure-conv)")
-    p.add_argument("--phase-rate-ratio", type=phase_rate_ratio_arg, default=1.0,
+    p.add_argument("--phase-rate-ratio", type=phase_rate_ratio_arg, default=PHASED_ONLY["phase_rate_ratio"],
                    help="shift / azure-shift: the chat phases run this many times as fast as the code phases "
                         "(azure-shift replays ratio x as much of the conversation trace per phase), so "
                         "that both kinds of phase can load the cluster alike; 'even': both kinds of phase at "
@@ -87,28 +95,29 @@ def add_sim_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("calibrate")
     c.add_argument("--bench-json", default=None, metavar="PATH",
                    help="the `tidal bench --output-file` JSON of the live run to replay (default: none; required "
-                        "by calibrate, whose layout is --null/--prefill/--decode, prefill and decode 1 if not given)")
-    c.add_argument("--moves", choices=("live", "planner"), default="live",
+                        "by calibrate, whose layout is --null/--prefill/--decode: prefill and decode not given are 1 "
+                        "each, or 0 each where only --null is given, a colocated run)")
+    c.add_argument("--moves", choices=("live", "planner"), default=CALIBRATE_ONLY["moves"],
                    help="a live run whose workers moved (scripts/live_shift.py's JSON): replay its moves at their "
                         "live start times (live), or let the simulator's planner decide with the live router's "
                         "planner settings (planner) (default: live; a run without moves replays none)")
-    c.add_argument("--tolerance", type=float, default=0.25,
+    c.add_argument("--tolerance", type=float, default=CALIBRATE_ONLY["tolerance"],
                    help="calibrate passes (exit 0, else 1) when the simulated TTFT and TPOT p50 are within this "
                         "relative error of the live ones (default: 0.25)")
     g = p.add_argument_group("goodput search")
-    g.add_argument("--target-attainment", type=float, default=0.9,
+    g.add_argument("--target-attainment", type=float, default=GOODPUT_ONLY["target_attainment"],
                    help="fraction of requests meeting both SLOs that counts as good (default: 0.9, DistServe's)")
-    g.add_argument("--rate-tolerance", type=float, default=0.03,
+    g.add_argument("--rate-tolerance", type=float, default=GOODPUT_ONLY["rate_tolerance"],
                    help="the rate multipliers searched are powers of 1 + this: the search's precision (default: 0.03)")
-    g.add_argument("--rate-samples", type=int, default=1,
+    g.add_argument("--rate-samples", type=int, default=GOODPUT_ONLY["rate_samples"],
                    help="each probe pools this many runs at rates spread evenly over 0.5%% around it (one "
                         "attainment over all their requests): near its goodput a planner's attainment moves by "
                         "tens of points with a change of the rate as small as 1e-9, so one run is one sample of a "
                         "noisy curve (default: 1, one run at the probe's rate)")
-    g.add_argument("--split-step", type=int, default=1,
+    g.add_argument("--split-step", type=int, default=GOODPUT_ONLY["split_step"],
                    help="static splits tried: every this-many prefill counts, then around the best one at half "
                         "the step, a quarter, ... 1 (default: 1, every split)")
-    g.add_argument("--layouts", default="colocated,static,planner",
+    g.add_argument("--layouts", default=GOODPUT_ONLY["layouts"],
                    help="which of colocated, static (the splits), planner, phases (--phase-layouts), lookahead (a "
                         "planner that sees the future, --lookahead-splits) to search "
                         "(default: colocated,static,planner)")
@@ -209,6 +218,15 @@ def check_args(ns: argparse.Namespace) -> None:
                         ("--rate-samples", ns.rate_samples)):
         if value < 1:
             fail(f"{flag} must be >= 1")
+    for action, flags in (("goodput", GOODPUT_ONLY), ("calibrate", CALIBRATE_ONLY)):
+        given = flags_given(ns, flags)
+        if given and ns.action != action:
+            fail(f"{', '.join(given)}: read by `tidal sim {action}` only")
+    phased = flags_given(ns, PHASED_ONLY)
+    if phased and ns.action != "calibrate" and ns.workload not in PHASE_MIXES:
+        fail(f"{', '.join(phased)}: {ns.workload} has no phases ({', '.join(PHASE_MIXES)} have)")
+    if ns.action == "goodput" and "phases" in layout_names(ns) and not ns.phase_layouts:
+        fail("--layouts phases needs --phase-layouts")
     try:
         limits(ns)
         planner_config_from_namespace(ns)
@@ -302,7 +320,7 @@ def load_cost(path: str, flag: str = "--profile") -> Any:
     try:
         return CostModel.from_file(path)
     except (OSError, ValueError) as e:  # ProfileFormatError is a ValueError, its message names the file
-        fail(f"{flag}: {e}" if str(path) in str(e) else f"{flag} {path}: {e}")
+        fail(profile_error(flag, path, e))
 
 
 def phase_rate_ratio_arg(text: str) -> Any:
@@ -349,8 +367,10 @@ def phase_layouts(ns: argparse.Namespace) -> tuple[dict, ...]:
 
 
 def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode: str, rate_scale: float,
-             cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None) -> Cluster:
-    """One run; mode: static, sla (the planner), phases (--phase-layouts) or lookahead (--lookahead-splits)."""
+             cost: Any, planner_cost: Any = None, stop_after_miss: Optional[float] = None,
+             trace: Optional[list] = None) -> Cluster:
+    """One run; mode: static, sla (the planner), phases (--phase-layouts) or lookahead (--lookahead-splits). `trace`:
+    these requests instead of the workload's."""
     schedule = phase_layouts(ns) if mode == "phases" else ()
     look = lookahead_splits(ns) if mode == "lookahead" else ()
     spec = workload_spec(ns, rate_scale)
@@ -362,7 +382,7 @@ def simulate(ns: argparse.Namespace, null: int, prefill: int, decode: int, mode:
                     phase_period_s=phase_period(spec), lookahead_splits=look,
                     lookahead_interval_s=ns.lookahead_interval_s, lookahead_horizon_s=ns.lookahead_horizon_s,
                     lookahead_jobs=ns.jobs or len(os.sched_getaffinity(0)), lookahead_forecast=ns.lookahead_forecast)
-    trace = make_workload(spec)
+    trace = make_workload(spec) if trace is None else trace
     return Cluster(cfg, cost, trace, limits(ns), planner_cost=planner_cost).run()
 
 
@@ -377,9 +397,14 @@ def run_config(ns: argparse.Namespace) -> dict:
             "planner_flags": planner_flags(ns), "lookahead": lookahead_flags(ns) if ns.lookahead else None}
 
 
+def flags_given(ns: argparse.Namespace, defaults: dict) -> list[str]:
+    """The flags among `defaults` (dest: default) that this command line sets to another value."""
+    return [f"--{dest.replace('_', '-')}" for dest, default in defaults.items() if getattr(ns, dest) != default]
+
+
 def lookahead_only_flags_given(ns: argparse.Namespace) -> list[str]:
     """The flags only a lookahead reads that this command line sets."""
-    return [f"--{dest.replace('_', '-')}" for dest, default in LOOKAHEAD_ONLY.items() if getattr(ns, dest) != default]
+    return flags_given(ns, LOOKAHEAD_ONLY)
 
 
 def lookahead_flags(ns: argparse.Namespace) -> dict:
@@ -413,8 +438,9 @@ def extrapolation_warnings(cost: Any, trace: list) -> list[str]:
 
 def decode_batch_warning(cost: Any, largest_batch: int) -> Optional[str]:
     """Where the runs' decode steps went past twice the profile's largest measured batch (known after a run)."""
-    measured = max(x.batch for x in cost.profile.decode)
-    if largest_batch > 2 * measured:
+    batches = {x.batch for x in cost.profile.decode}
+    measured = max(batches)
+    if len(batches) > 1 and largest_batch > 2 * measured:  # one batch measured: no line (flat_curves says so)
         return (f"warning: decode steps were measured up to batch {measured}; the simulated servers ran batches of "
                 f"up to {largest_batch}; the cost model extrapolates")
     return None
@@ -432,6 +458,9 @@ def check_workload(ns: argparse.Namespace, spec: WorkloadSpec, cost: Any) -> Non
              + (f" (--trace {ns.trace})" if ns.trace else ""))
     for warning in extrapolation_warnings(cost, trace):
         sys.stderr.write(f"warning: --profile {ns.profile}: {warning}; the cost model extrapolates\n")
+    flat = flat_curves(cost.profile)
+    if flat:
+        sys.stderr.write(f"warning: --profile {ns.profile}: {flat}\n")
 
 
 def warn_decode_batch(ns: argparse.Namespace, cost: Any, largest_batch: int) -> None:

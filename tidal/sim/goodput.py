@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 
 from tidal.sim.cli import (fail, layout, layout_names, lookahead_flags, phase_layouts, planner_flags, simulate,
                            static_layouts, workload_spec)
-from tidal.sim.workload import make_workload, virtual_span
+from tidal.sim.workload import TraceRequest, make_workload, virtual_span
 
 MAX_DOUBLINGS = 12
 # --rate-samples: the rates a probe pools span this fraction of its rate, centred on it (a sixth of the 3% grid
@@ -32,9 +32,10 @@ def sample_rates(scale: float, samples: int) -> list[float]:
 
 
 def search_rate(attains: Callable[[float], bool], start: float, tolerance: float,
-                scan_above: int = SCAN_ABOVE) -> float:
+                scan_above: int = SCAN_ABOVE, hopeless: Optional[Callable[[], bool]] = None) -> float:
     """The highest rate scale on the grid (1 + tolerance)^k that attains, of those the search reaches (0 if none
-    does down to 12 halvings of `start`): doubling or halving from `start` (snapped to the grid) to a bracket, bisection on
+    does down to 12 halvings of `start`, or where `hopeless()` says after the first halving that none will): doubling
+    or halving from `start` (snapped to the grid) to a bracket, bisection on
     the grid, then upward from the highest rate found until `scan_above` grid rates in a row do not attain.
     On a bursty trace attainment is not monotonic in the rate: a bisection alone ends below the first rate that
     fails, wherever it probed, and its result moved with the first probe by as much as the layouts differ
@@ -61,10 +62,12 @@ def search_rate(attains: Callable[[float], bool], start: float, tolerance: float
         hi = lo + octave
     else:
         hi = k0
-        for _ in range(MAX_DOUBLINGS):
+        for halvings in range(MAX_DOUBLINGS):
             if ok(hi - octave):
                 break
             hi -= octave
+            if halvings == 0 and hopeless is not None and hopeless():
+                return 0.0
         else:
             return 0.0
         lo = hi - octave
@@ -85,8 +88,44 @@ class Layout:
     def __init__(self, name: str, null: int, prefill: int, decode: int, mode: str) -> None:
         self.name, self.null, self.prefill, self.decode, self.mode = name, null, prefill, decode, mode
 
+    def paths(self) -> tuple[str, ...]:
+        """The paths its requests may take: a PD pair, a null server (a planner or a schedule may make either)."""
+        if self.mode != "static":
+            return ("pd", "null")
+        return ("pd",) * bool(self.prefill and self.decode) + ("null",) * bool(self.null)
 
-def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float) -> dict:
+
+def alone_trace(trace: list[TraceRequest], cost: Any) -> list[TraceRequest]:
+    """The requests one after another, each arriving once the one before has ended on an idle server (twice what
+    the cost model says its prefill, KV hand-off and decode steps take, and a second more)."""
+    out, t = [], 0.0
+    for r in trace:
+        out.append(TraceRequest(t, r.input_tokens, r.output_tokens))
+        steps = r.output_tokens * cost.decode_step_seconds(1, r.input_tokens + r.output_tokens)
+        t += 2 * (cost.prefill_seconds(r.input_tokens) + cost.kv_transfer_seconds(r.input_tokens) + steps) + 1.0
+    return out
+
+
+class AloneAttainment:
+    """Per path, the share of the workload's requests that meet both SLOs each alone on an idle server (a PD pair, a
+    null server): no layout whose requests take those paths meets more at any rate. Simulated once per path, when
+    a search first asks."""
+
+    def __init__(self, ns: argparse.Namespace, cost: Any, rate_scale: float) -> None:
+        self.ns, self.cost, self.rate_scale = ns, cost, rate_scale
+        self.by_path: dict[str, float] = {}
+
+    def __call__(self, path: str) -> float:
+        if path not in self.by_path:
+            trace = alone_trace(make_workload(workload_spec(self.ns, self.rate_scale)), self.cost)
+            k, p, d = (1, 0, 0) if path == "null" else (0, 1, 1)
+            c = simulate(self.ns, k, p, d, "static", self.rate_scale, self.cost, trace=trace)
+            self.by_path[path] = (c.ended - c.missed) / max(1, len(trace))
+        return self.by_path[path]
+
+
+def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any, start: float,
+               alone: Optional[AloneAttainment] = None) -> dict:
     probed: list[dict] = []  # every probe: where attainment is not monotonic in the rate, they show it
     largest_batch = [0]  # over every probe: what the extrapolation warning tests
 
@@ -115,15 +154,29 @@ def goodput_of(ns: argparse.Namespace, lay: Layout, cost: Any, planner_cost: Any
         probed.append(probe)
         return ok
 
+    best_alone: list[float] = []
+
+    def hopeless() -> bool:
+        if alone is None:
+            return False
+        best_alone.append(max(alone(path) for path in lay.paths()))
+        return best_alone[0] < ns.target_attainment
+
     t0 = time.perf_counter()
-    scale = search_rate(attains, start, ns.rate_tolerance)
+    scale = search_rate(attains, start, ns.rate_tolerance, hopeless=hopeless)
     spec = workload_spec(ns, scale)
     rate = len(make_workload(spec)) / virtual_span(spec) if scale > 0 else 0.0
     out = {"layout": lay.name, "null": lay.null, "prefill": lay.prefill, "decode": lay.decode, "planner": lay.mode,
            "rate_scale": round(scale, 6), "goodput_rps": round(rate, 4), "probes": len(probed),
            "seconds": round(time.perf_counter() - t0, 2), "largest_decode_batch": largest_batch[0],
            "probed": sorted(probed, key=lambda p: p["rate_scale"])}
-    if scale == 0:  # not even start / 2^12 met them: a layout that cannot serve this workload at all
+    if best_alone:
+        out["alone_attainment"] = round(best_alone[0], 6)
+    if scale == 0 and best_alone and best_alone[0] < ns.target_attainment:
+        out["never_met"] = True
+        sys.stderr.write(f"tidal sim goodput: {lay.name} meets the SLOs at no rate: {best_alone[0]:.1%} of the "
+                         f"requests meet both even each alone on an idle server; its goodput is 0\n")
+    elif scale == 0:  # not even start / 2^12 met them: a layout that cannot serve this workload at all
         out["never_met"] = True
         sys.stderr.write(f"tidal sim goodput: {lay.name} met the SLOs at no rate tried (down to rate scale "
                          f"{min(p['rate_scale'] for p in probed):g}); its goodput is 0\n")
@@ -174,12 +227,13 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     which = set(layout_names(ns))
     results: list[dict] = []
     last = [start]
+    alone = AloneAttainment(ns, cost, start)
     if "colocated" in which:
-        results.append(goodput_of(ns, Layout("colocated", n, 0, 0, "static"), cost, planner_cost, start))
+        results.append(goodput_of(ns, Layout("colocated", n, 0, 0, "static"), cost, planner_cost, start, alone))
         last[0] = results[-1]["rate_scale"] or start
 
     def measure(p: int) -> dict:
-        r = goodput_of(ns, Layout(f"static {p}:{n - p}", 0, p, n - p, "static"), cost, planner_cost, last[0])
+        r = goodput_of(ns, Layout(f"static {p}:{n - p}", 0, p, n - p, "static"), cost, planner_cost, last[0], alone)
         last[0] = r["rate_scale"] or start
         return r
 
@@ -187,7 +241,7 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     statics = static_splits(ns, measure) if "static" in which else []
     for p, d in static_layouts(ns):  # splits named in --layouts (the rest of the workers null)
         name = f"static {p}:{d}" + (f" + {n - p - d} null" if p + d < n else "")
-        statics.append(goodput_of(ns, Layout(name, n - p - d, p, d, "static"), cost, planner_cost, last[0]))
+        statics.append(goodput_of(ns, Layout(name, n - p - d, p, d, "static"), cost, planner_cost, last[0], alone))
         last[0] = statics[-1]["rate_scale"] or start
     if statics:
         best = max(statics, key=lambda r: r["goodput_rps"])
@@ -199,18 +253,16 @@ def run_goodput(ns: argparse.Namespace, cost: Any, planner_cost: Optional[Any]) 
     start_name = f"{p0}:{d0}" + (f" + {ns.null} null" if ns.null else "")
     if "planner" in which:
         results.append(goodput_of(ns, Layout(f"planner from {start_name}", ns.null, p0, d0, "sla"), cost,
-                                  planner_cost, (best or {}).get("rate_scale") or last[0]))
+                                  planner_cost, (best or {}).get("rate_scale") or last[0], alone))
     if "phases" in which:
-        first = phase_layouts(ns)[0] if ns.phase_layouts else None
-        if first is None:
-            fail("--layouts phases needs --phase-layouts")
+        first = phase_layouts(ns)[0]
         results.append(goodput_of(ns, Layout(f"phase layouts {ns.phase_layouts}", first["null"], first["prefill"],
                                              first["decode"], "phases"), cost, planner_cost,
-                                  (best or {}).get("rate_scale") or last[0]))
+                                  (best or {}).get("rate_scale") or last[0], alone))
     if "lookahead" in which:
         seen = " on the recent arrivals" if ns.lookahead_forecast == "recent" else ""
         results.append(goodput_of(ns, Layout(f"lookahead{seen} from {start_name}", ns.null, p0, d0, "lookahead"),
-                                  cost, planner_cost, (best or {}).get("rate_scale") or last[0]))
+                                  cost, planner_cost, (best or {}).get("rate_scale") or last[0], alone))
     ratio = None
     if best and best["goodput_rps"] and "planner" in which:
         ratio = round(next(r for r in results if r["planner"] == "sla")["goodput_rps"] / best["goodput_rps"], 3)
@@ -240,5 +292,8 @@ def summary_lines(report: dict) -> list[str]:
             n = r["moves_at_goodput"]
             line += f"; {n} move{'' if n == 1 else 's'} at its goodput ({r['moves_failed']} failed)"
         out.append(line + (" (simulated)" if r is report["results"][-1] else ""))
+    if report["results"] and all(r.get("never_met") for r in report["results"]):
+        out.append("tidal sim goodput: no layout meets the SLOs at any rate: give lengths and SLOs the profile can "
+                   "meet (docs/elasticity.md's runs: --length-scale 0.25 --ttft-slo-ms 8000 --tpot-slo-ms 200)")
     return out
 
