@@ -528,7 +528,12 @@ def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio
     d.step()
     (r,) = d.take_replies()
     assert r.status_code == 504 and "handover" in r.message and d.controller.state.value == "HANDOVER"
+    assert "a switch to null timed out" in d.controller.status(1).last_error
+    r = switch(d, "prefill", drain=True, timeout_s=0.01)  # its own mode: said at once, the handover not waited for
+    assert r.status_code == 200 and "already in prefill mode" in r.message and r.epoch == d.controller.epoch
     assert switch(d, "null", drain=True, timeout_s=60) is None
+    st = d.controller.status(1)
+    assert (st.transition_state, st.target_mode) == ("HANDOVER", "null")  # the switch waiting behind the handover
     for mode in ("null", "decode"):
         second = switch(d, mode, drain=True)
         assert second.status_code == 409 and "already waits" in second.message

@@ -10,7 +10,7 @@ import msgspec
 
 import pytest
 
-from tidal.planner.decide import PlannerState, decide, floor_warning, pool_counts
+from tidal.planner.decide import PlannerState, decide, floor_warning, layout_problem, pool_counts
 from tidal.planner.predict import NEVER, CostPredictor, PoolLoad
 from tidal.planner.schema import DECODE, NULL, PREFILL, PlannerConfig, Traffic, WorkerLoad
 from tidal.planner.window import (Observation, StreamTally, TrafficWindow, body_token_counts, censored_mean,
@@ -63,7 +63,20 @@ def test_a_hold_says_where_the_current_layout_is_none_the_planner_heads_for():
     assert d.kind == "hold" and d.current.capacity > d.target.capacity, d.reason
     assert d.reason.startswith("the best layout the planner may head for (not the current one: it has no prefill "
                                "and decode pair nor null worker) gains too little"), d.reason
-    assert decide(NOW, cfg(), PlannerState(), layout(2, 1, 0), LIGHT, COST).reason.startswith("the best layout gains")
+    held = decide(NOW, cfg(), PlannerState(), layout(2, 1, 0), LIGHT, COST)
+    assert held.why == "at_best" and held.reason.startswith("the layout it heads for is the best one: capacity")
+
+
+def test_from_all_decode_workers_the_planner_walks_back_to_a_pair_without_hysteresis():
+    """All decode workers (moves on the workers themselves led there) predict a little less than 2:1 under light
+    traffic: the planner heads back without the hysteresis a layout of its own keeps, and may start the walk
+    although no prefill and decode pair serves while the first worker moves (the other decode workers prefill
+    alone); a walk that would leave no worker at all is still refused."""
+    d = decide(NOW, cfg(), PlannerState(), layout(0, 3, 0), LIGHT, COST)
+    assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
+    assert d.target.capacity < d.current.capacity * 1.3 and "never heads for" in d.reason
+    assert layout_problem({PREFILL: 0, DECODE: 1, NULL: 0}, DECODE, PREFILL, 0).startswith("no usable path")
+    assert layout_problem({PREFILL: 1, DECODE: 1, NULL: 0}, DECODE, NULL, 0).startswith("no usable path")
 
 
 def test_starved_prefill_pool_gets_a_decode_worker():
@@ -97,7 +110,7 @@ def test_pools_at_the_best_layout_hold():
     first = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(2, 2, 0), LIGHT, COST)
     best = first.target.pools
     d = decide(NOW, cfg(min_per_pool=1), PlannerState(), layout(best[PREFILL], best[DECODE], best[NULL]), LIGHT, COST)
-    assert d.kind == "hold" and "gains too little" in d.reason, d.reason
+    assert d.kind == "hold" and d.why == "at_best" and "the layout it heads for is the best one" in d.reason, d.reason
     assert d.current.score < 1.0 and d.target.pools == best
 
 
@@ -193,7 +206,7 @@ def test_at_most_the_allowed_moves_in_flight():
 def test_never_below_the_minimum_per_pool():
     """1 prefill : 2 decode, prefill starved, minimum 2: the only allowed layout is this one."""
     d = decide(NOW, cfg(min_per_pool=2), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)
-    assert d.kind == "hold" and "hysteresis" in d.reason, d.reason
+    assert d.kind == "hold" and d.why == "at_best", d.reason
     assert d.target.pools == pool_counts(STARVED_PREFILL)
     assert all("below --planner-min-per-pool 2" in x.reason for x in d.candidates if x.src == DECODE)
     free = decide(NOW, cfg(min_per_pool=1), PlannerState(), STARVED_PREFILL, LONG_PROMPTS, COST)

@@ -402,6 +402,9 @@ def test_add_remove_workers_and_health(m):
         add = lambda q: httpx.post(r.url + "/add_worker", params=q, timeout=5)  # noqa: E731
         assert add({"url": m["p1"].url, "role": "prefill", "bootstrap_port": "9100"}).status_code == 200
         assert httpx.get(r.url + "/health").status_code == 503  # a prefill alone is no path
+        resp = r.post("/generate", {"text": "x"})
+        assert resp.status_code == 503 and "no usable path among the healthy workers (1 prefill, 0 decode, 0 null)" \
+            in resp.json()["error"]["message"], resp.text
         assert add({"url": m["d1"].url, "role": "decode"}).status_code == 200
         assert httpx.get(r.url + "/health").status_code == 200
         assert add({"url": m["d1"].url, "role": "decode"}).status_code == 409

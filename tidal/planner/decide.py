@@ -211,14 +211,22 @@ def has_path(layout: dict[str, int]) -> bool:
     return bool(layout[NULL] or (layout[PREFILL] and layout[DECODE]))
 
 
+def serves(layout: dict[str, int]) -> bool:
+    """The router can send a request somewhere: `has_path`, or a decode worker, which prefills a request sent to it
+    alone (unless the router enforces disaggregation: then such a layout served nothing before the move either)."""
+    return has_path(layout) or bool(layout[DECODE])
+
+
 def layout_problem(pools: dict[str, int], src: str, dst: str, min_per_pool: int) -> str:
     """Why moving one worker from `src` to `dst` out of `pools` (the workers serving now) is not allowed ("" when
-    it is). A moving worker serves no pool until it lands, so a usable path must remain without it."""
+    it is). A moving worker serves no pool until it lands, so a usable path must remain without it: from a layout
+    the planner heads for, one of those; from one it never heads for (all decode workers, after moves by hand), a
+    decode worker at least, so that the walk back to a prefill and decode pair can start."""
     after = after_move(pools, src, dst)
     if src in (PREFILL, DECODE) and after[src] < min_per_pool:
         return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
     during = dict(after, **{dst: after[dst] - 1})
-    if not has_path(during):
+    if not has_path(during) and (has_path(pools) or not serves(during)):
         return "no usable path would remain while it moves (a prefill and a decode worker, or a null one)"
     return ""
 
@@ -416,9 +424,15 @@ def gain_enough(current: Prediction, target: Prediction, hysteresis: float,
 
 
 def heading_pays(cfg: PlannerConfig, state: PlannerState, current: Prediction, target: Prediction,
-                 traffic: Traffic) -> tuple[bool, str, str]:
+                 traffic: Traffic, heading_allowed: bool = True) -> tuple[bool, str, str]:
     """(whether heading for `target` pays, why, the hysteresis applied as a hold names it): `gain_enough` with
-    the router's first seconds' larger capacity hysteresis, or a committed target."""
+    the router's first seconds' larger capacity hysteresis, or a committed target. From a layout the planner never
+    heads for (`heading_allowed` false: no prefill and decode pair nor null worker, where moves by hand or on the
+    workers themselves led), with no hysteresis: it guards the planner's own layouts against flapping, not one it
+    would not have chosen."""
+    if not heading_allowed:
+        pays, what = gain_enough(current, target, 0.0, 0.0, cfg.tpot_slo_s)
+        return pays, f"{what} (from a layout the planner never heads for)", "0"
     young = young_hysteresis(cfg.hysteresis, traffic, cfg.window_s)
     pays, what = gain_enough(current, target, cfg.hysteresis, young, cfg.tpot_slo_s)
     if state.committed == target.pools and not pays:
@@ -511,12 +525,15 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     if overloaded:
         cands = candidates(now, cfg, state, loads, predictor, load, traffic, overloaded=True,
                            queued_answers=queued_answers)
-    pays, what, hysteresis = heading_pays(cfg, state, current, target, traffic)
+    allowed = target_allowed(heading, heading, cfg.min_per_pool)
+    pays, what, hysteresis = heading_pays(cfg, state, current, target, traffic, allowed)
     why = (f"{what} at {_brief(target.pools)}" + (" (overloaded: no reversal cooldown)" if overloaded else "")
            + queued_note)
+    if not pays and target.pools == heading:
+        return _hold(now, "at_best", f"the layout it heads for is the best one: {why}", current, cands, target=target)
     if not pays:
         best_what = "the best layout"
-        if not target_allowed(heading, heading, cfg.min_per_pool):  # a move by hand (forced) led there
+        if not allowed:  # a move by hand (forced) led there
             best_what = ("the best layout the planner may head for (not the current one: it has no prefill and "
                          "decode pair nor null worker)")
         return _hold(now, "gain_too_small", f"{best_what} gains too little: {why} (hysteresis {hysteresis})",
@@ -536,8 +553,8 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     return Decision(at=now, kind="advise" if cfg.mode == "advise" else "move", url=best.url, src=best.src,
                     dst=best.dst, current=current, best=best, candidates=cands, target=target,
                     answers=traffic.mean_output_tokens,
-                    reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; moving {best.url} "
-                           f"{best.src}->{best.dst}")
+                    reason=f"{why}, {moves_between(heading, target.pools)} move(s) away; "
+                           f"{'would move' if cfg.mode == 'advise' else 'moving'} {best.url} {best.src}->{best.dst}")
 
 
 def _seconds(recovery_s: float) -> str:

@@ -112,7 +112,7 @@ class Decision(msgspec.Struct, kw_only=True):
     kind: str  # "move", "hold", or "advise" (a move --planner advise would start, not started)
     reason: str
     # a hold's cause, stable for counting: static, no_observations, no_arrivals, no_lengths, no_layout,
-    # gain_too_small, moves_in_flight, no_legal_move ("" for a move)
+    # at_best, gain_too_small, moves_in_flight, no_legal_move ("" for a move)
     why: str = ""
     url: str = ""
     src: str = ""

@@ -80,6 +80,9 @@ class ModeController:
         invalid = self._invalid(msg.mode)
         if invalid is not None:
             return self._reply(msg, *invalid)
+        if self.state == TransitionState.HANDOVER and msg.mode == self.s.role.name:
+            return self._reply(msg, 200, f"already in {msg.mode} mode (the {self.s.role.old.name} role still "
+                                         f"finishing its requests: handover)")
         if self.state == TransitionState.HANDOVER and self.queued is None and msg.mode == self.s.role.old.name:
             return self._begin_reversal(msg)
         if self.state == TransitionState.HANDOVER and msg.drain and self.queued is None:
@@ -259,6 +262,7 @@ class ModeController:
                 self.s.replies.append(reply)
         elif q is not None and any_rank(self.tp, time.monotonic() - q.drain_started > q.msg.timeout_s):
             self.queued = None
+            self.last_error = f"a switch to {q.msg.mode} timed out: the handover did not end within {q.msg.timeout_s}s"
             self.s.replies.append(self._reply(q.msg, 504, f"the handover did not end within {q.msg.timeout_s}s; "
                                                           f"still serving as {self.s.role.name}"))
 
@@ -475,9 +479,10 @@ class ModeController:
 
     def status(self, call_id: int) -> ModeStatusResp:
         initialized = [self.s.role.name, *self.idle_roles]
+        target = self.target or (self.queued.msg.mode if self.queued is not None else None)  # queued: after the handover
         return ModeStatusResp(
             call_id=call_id, current_mode=self.s.role.name, transition_state=self.state.value,
-            target_mode=self.target, epoch=self.epoch, last_error=self.last_error,
+            target_mode=target, epoch=self.epoch, last_error=self.last_error,
             initialized_roles=sorted(set(initialized)), queue_sizes=self.queue_sizes(),
             last_switch_timings_ms=self.last_timings_ms, enabled=self.enabled,
         )

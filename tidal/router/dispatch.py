@@ -26,7 +26,7 @@ from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
 from tidal.router.policies import Policy, plan_route
-from tidal.router.workers import DECODE, PREFILL, Worker, WorkerRegistry
+from tidal.router.workers import DECODE, MODES, PREFILL, Worker, WorkerRegistry
 from tidal.server_timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,11 @@ class Dispatcher:
     def _unavailable(self) -> Response:
         if self.cfg.enforce_disaggregation and not self.registry.has_pd_path():
             return json_error("no healthy prefill/decode pair (disaggregation is enforced)", 503)
+        pools = {mode: len(self.registry.pool(mode)) for mode in MODES}
+        if any(pools.values()):  # healthy workers, none of them a path (e.g. every one a prefill server)
+            layout = ", ".join(f"{n} {mode}" for mode, n in pools.items())
+            return json_error(f"no usable path among the healthy workers ({layout}): a request needs a prefill and a "
+                              f"decode worker, or a null or decode one", 503)
         return json_error("no healthy worker available", 503)
 
     # ------------------------------------------------------------ the retry loop

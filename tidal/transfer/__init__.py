@@ -33,7 +33,7 @@ background threads):
 - Both: `failure_exception() -> Exception | None` (the reason), `abort()` (the partner is
   told and fails too; a decode room aborted while its prefill is still being looked up
   tells that prefill once found). Failed after TIDAL_DISAGG_BOOTSTRAP_TIMEOUT (30 s, no partner)
-  or TIDAL_DISAGG_WAITING_TIMEOUT (60 s after init, no completion), on the partner's
+  or TIDAL_DISAGG_WAITING_TIMEOUT (300 s after init, no completion; as SGLang's), on the partner's
   failure or abort, and at random with TIDAL_DISAGG_TEST_FAILURE_PROB
   (or DISAGGREGATION_TEST_FAILURE_PROB) per request.
   A decode room that failed while prefill may still be writing into its pages keeps

@@ -50,7 +50,7 @@ def _env_float(names: tuple[str, ...], default: float) -> float:
 @dataclass(frozen=True)
 class TransferConfig:
     bootstrap_timeout: float = 30.0
-    waiting_timeout: float = 60.0
+    waiting_timeout: float = 300.0  # as SGLang: counted from init, the prompt's time queued for prefill included
     failure_prob: float = 0.0
     heartbeat_interval: float = 5.0
     heartbeat_misses: int = 2
@@ -61,7 +61,7 @@ class TransferConfig:
     def from_env() -> "TransferConfig":
         return TransferConfig(
             bootstrap_timeout=_env_float(("TIDAL_DISAGG_BOOTSTRAP_TIMEOUT",), 30.0),
-            waiting_timeout=_env_float(("TIDAL_DISAGG_WAITING_TIMEOUT",), 60.0),
+            waiting_timeout=_env_float(("TIDAL_DISAGG_WAITING_TIMEOUT",), 300.0),
             failure_prob=_env_float(("TIDAL_DISAGG_TEST_FAILURE_PROB", "DISAGGREGATION_TEST_FAILURE_PROB"), 0.0),
             heartbeat_interval=_env_float(("TIDAL_DISAGG_HEARTBEAT_INTERVAL",), 5.0),
             abort_grace=_env_float(("TIDAL_DISAGG_ABORT_GRACE",), 2.0),
