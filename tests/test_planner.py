@@ -71,12 +71,15 @@ def test_from_all_decode_workers_the_planner_walks_back_to_a_pair_without_hyster
     """All decode workers (moves on the workers themselves led there) predict a little less than 2:1 under light
     traffic: the planner heads back without the hysteresis a layout of its own keeps, and may start the walk
     although no prefill and decode pair serves while the first worker moves (the other decode workers prefill
-    alone); a walk that would leave no worker at all is still refused."""
+    alone); a walk that would leave no worker at all is still refused. From all prefill workers, which serve
+    nothing, the walk starts too."""
     d = decide(NOW, cfg(), PlannerState(), layout(0, 3, 0), LIGHT, COST)
     assert d.kind == "move" and (d.src, d.dst) == (DECODE, PREFILL), d.reason
     assert d.target.capacity < d.current.capacity * 1.3 and "never heads for" in d.reason
     assert layout_problem({PREFILL: 0, DECODE: 1, NULL: 0}, DECODE, PREFILL, 0).startswith("no usable path")
     assert layout_problem({PREFILL: 1, DECODE: 1, NULL: 0}, DECODE, NULL, 0).startswith("no usable path")
+    stuck = decide(NOW, cfg(), PlannerState(), layout(3, 0, 0), LIGHT, COST)  # all prefill: nothing served
+    assert stuck.kind == "move" and (stuck.src, stuck.dst) == (PREFILL, DECODE), stuck.reason
 
 
 def test_starved_prefill_pool_gets_a_decode_worker():

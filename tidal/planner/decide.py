@@ -220,13 +220,14 @@ def serves(layout: dict[str, int]) -> bool:
 def layout_problem(pools: dict[str, int], src: str, dst: str, min_per_pool: int) -> str:
     """Why moving one worker from `src` to `dst` out of `pools` (the workers serving now) is not allowed ("" when
     it is). A moving worker serves no pool until it lands, so a usable path must remain without it: from a layout
-    the planner heads for, one of those; from one it never heads for (all decode workers, after moves by hand), a
-    decode worker at least, so that the walk back to a prefill and decode pair can start."""
+    the planner heads for, one of those; from one it never heads for (after moves by hand), what served before (a
+    decode worker, where all are), so that the walk back to a prefill and decode pair can start."""
     after = after_move(pools, src, dst)
     if src in (PREFILL, DECODE) and after[src] < min_per_pool:
         return f"{src} pool would fall below --planner-min-per-pool {min_per_pool}"
     during = dict(after, **{dst: after[dst] - 1})
-    if not has_path(during) and (has_path(pools) or not serves(during)):
+    kept = has_path(during) if has_path(pools) else serves(during) or not serves(pools)
+    if not kept:
         return "no usable path would remain while it moves (a prefill and a decode worker, or a null one)"
     return ""
 
