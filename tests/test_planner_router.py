@@ -404,3 +404,22 @@ def test_a_move_that_would_empty_a_pool_now_is_not_started(monkeypatch):
         d = asyncio.run(loop.tick())
         assert d.kind == "move" and d.outcome.startswith("not started: ") and says in d.outcome
         assert not loop.state.in_flight and not loop._moves
+
+
+def test_a_switch_made_on_the_worker_itself_counts_as_a_move_by_hand(workers, tmp_path):
+    """A worker switched on its own route (behind the router): the next health check finds its new mode, and the
+    planner counts it as a move by hand, its cooldowns running from then, so the next round does not undo it."""
+    profile = tmp_path / "profile.json"
+    profile.write_text(json.dumps(PROFILE))
+    cfg = PlannerConfig(mode="sla", ttft_slo_s=3.0, tpot_slo_s=0.1, interval_s=60.0, cooldown_s=30.0)
+    with RouterServer(prefill=[(workers["p1"].url, 8998)], decode=[workers["d1"].url, workers["d2"].url],
+                      planner=cfg, planner_profile=str(profile), health_check_interval_s=0.2) as r:
+        planner, d2 = r.state.planner, workers["d2"].url
+        assert planner.state.worker_blocked(planner.clock(), d2, cfg) == ""  # the first checks moved nothing
+        resp = httpx.post(d2 + "/admin/switch_disaggregation_mode", json={"mode": "prefill"}, timeout=5)
+        assert resp.status_code == 200 and workers["d2"].role == "prefill"
+        wait_for(lambda: r.state.registry.get(d2).mode == "prefill", 10, "the health check to learn the mode")
+        now, cfg = planner.clock(), planner.cfg
+        assert planner.state.worker_blocked(now, d2, cfg).startswith("worker cooldown")
+        assert "cooldown after a move decode->prefill" in planner.state.reversal(now, "prefill", "decode", cfg)
+        assert "decode->prefill" in httpx.get(r.url + "/planner/status").json()["cooldown"]["recent_moves"]

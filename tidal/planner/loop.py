@@ -238,6 +238,15 @@ class PlannerLoop:
     def hand_move_finished(self, url: str, ok: bool) -> None:
         self.state.finished(self.clock(), url, ok, self.cfg)
 
+    def switched_behind(self, url: str, src: str, dst: str) -> None:
+        """A worker found in another mode than the router knew, switched on its own route: a move by hand,
+        started and ended now, with its cooldowns, so that the next round does not undo it at once."""
+        logger.warning("planner: worker %s switched %s->%s behind the router (on its own switch route); counted as "
+                       "a move by hand: its cooldowns start now", url, src, dst)
+        self.state.started(self.clock(), url, src, dst)
+        self.state.committed = None
+        self.state.finished(self.clock(), url, True, self.cfg)
+
     def _record(self, d: Decision, traffic: Any) -> None:
         m = self.st.metrics
         m.planner_decisions.labels(d.kind).inc()

@@ -222,6 +222,9 @@ class HealthChecker:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.headers = headers or {}
         self._task: Optional[asyncio.Task] = None
+        # called (url, old mode, new mode) when a check finds that a worker switched behind the router (on its own
+        # switch route): the planner counts it as a move by hand
+        self.on_mode_change: Optional[Callable[[str, str, str], None]] = None
 
     def start(self) -> None:
         if self._task is None:
@@ -277,9 +280,12 @@ class HealthChecker:
         if isinstance(info.get("tp_size"), int):
             w.tp_size = info["tp_size"]
         bport = info.get("disaggregation_bootstrap_port")
+        old, known = w.mode, w.reports_epoch  # known: its mode was read from it before (not just declared)
         if self.registry.set_mode(w.url, info["disaggregation_mode"], epoch,
-                                  bport if isinstance(bport, int) else None) and epoch is not None:
-            w.reports_epoch = True
+                                  bport if isinstance(bport, int) else None):
+            w.reports_epoch = known or epoch is not None
+            if known and w.mode != old and self.on_mode_change is not None and not w.switching:
+                self.on_mode_change(w.url, old, w.mode)
 
     async def refresh_load(self, w: Worker) -> None:
         try:
