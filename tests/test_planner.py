@@ -681,8 +681,8 @@ def test_cluster_refuses_bad_planner_flags_before_starting_a_server(tmp_path, ca
     started = []
     monkeypatch.setattr(cluster.subprocess, "Popen", lambda *a, **k: started.append(a))
     missing = str(tmp_path / "missing.json")
-    for flags, says in ((["--planner-profile", missing], f"[cluster] error: --planner-profile: cannot read profile "
-                                                         f"{missing}"),
+    unreadable = f"[cluster] error: --planner-profile: cannot read profile {missing}"
+    for flags, says in ((["--planner-profile", missing], unreadable),
                         (["--planner-hysteresis", "-1"], "[cluster] error: planner: --planner-hysteresis")):
         assert cluster.run_cluster(parser.parse_args(["--planner", "sla", *flags])) == 2
         assert says in capsys.readouterr().err

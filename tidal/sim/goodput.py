@@ -11,7 +11,7 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from tidal.sim.cli import (fail, layout, layout_names, lookahead_flags, phase_layouts, planner_flags, simulate,
+from tidal.sim.cli import (layout, layout_names, lookahead_flags, phase_layouts, planner_flags, simulate,
                            static_layouts, workload_spec)
 from tidal.sim.workload import TraceRequest, make_workload, virtual_span
 
