@@ -115,6 +115,31 @@ def test_router_moves_workers_through_every_direction_under_traffic():
             s.stop()
 
 
+def streaming(url: str, text: str, n: int) -> tuple[threading.Thread, list]:
+    """A streamed temperature-0 answer of n tokens from `url`, started and past its first token: the thread
+    streaming it, and its output ids so far."""
+    got, first_token = [], threading.Event()
+    body = {"text": text, "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+            "stream": True}
+    t = threading.Thread(target=stream_into, args=(url, body, got, first_token))
+    t.start()
+    assert first_token.wait(120)
+    return t, got
+
+
+def pd_request(prefill_url: str, decode_url: str, text: str, room: int) -> httpx.Response:
+    """One 8-token PD request, as the router sends it: both legs at once; the decode leg's answer."""
+    bport = httpx.get(prefill_url + "/server_info").json()["disaggregation_bootstrap_port"]
+    body = {"text": text, "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": room}
+    with httpx.Client(timeout=120) as c:
+        leg = threading.Thread(target=lambda: c.post(prefill_url + "/generate", json=body))
+        leg.start()
+        answer = c.post(decode_url + "/generate", json=body)
+        leg.join()
+    return answer
+
+
 def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on():
     """Real servers: B decodes a long answer for A; B switches to prefill with handover while it streams.
     The switch does not wait for the answer (no drain), B prefills for A (now decode) at once, the answer
@@ -176,26 +201,12 @@ def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on
         n = 200
         want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
         assert switch(b.url, "decode").status_code == 200
-        got, first_token = [], threading.Event()
-        body = {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-                "stream": True}
-
-        t = threading.Thread(target=stream_into, args=(a.url, body, got, first_token))
-        t.start()
-        assert first_token.wait(120)
+        t, got = streaming(a.url, PROMPTS[3], n)
         r = switch(a.url, "prefill", handover=True, drain=False)
         assert r.status_code == 200, r.text
         assert r.json()["timings_ms"]["drain"] == 0.0 and "null role held finish under prefill" in r.json()["message"]
         t_switch = time.time()
-        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
-        pd_body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                           "ignore_eos": True},
-                   "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 4242}
-        with httpx.Client(timeout=120) as c:
-            leg = threading.Thread(target=lambda: c.post(a.url + "/generate", json=pd_body))
-            leg.start()
-            pd = c.post(b.url + "/generate", json=pd_body)
-            leg.join()
+        pd = pd_request(a.url, b.url, PROMPTS[0], room=4242)
         assert pd.status_code == 200, pd.text
         assert t.is_alive(), "the handed-over answer should still be streaming"
         t.join(300)
@@ -221,22 +232,9 @@ def test_a_server_switched_back_during_its_handover_is_null_again_while_its_answ
         n = 200
         want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
         assert switch(b.url, "decode").status_code == 200
-        got, first_token = [], threading.Event()
-        body = {"text": PROMPTS[3], "sampling_params": {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
-                "stream": True}
-        t = threading.Thread(target=stream_into, args=(a.url, body, got, first_token))
-        t.start()
-        assert first_token.wait(120)
+        t, got = streaming(a.url, PROMPTS[3], n)
         assert switch(a.url, "prefill", handover=True, drain=False).status_code == 200
-        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
-        pd_body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0,
-                                                           "ignore_eos": True},
-                   "bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 4343}
-        with httpx.Client(timeout=120) as c:
-            leg = threading.Thread(target=lambda: c.post(a.url + "/generate", json=pd_body))
-            leg.start()
-            assert c.post(b.url + "/generate", json=pd_body).status_code == 200
-            leg.join()
+        assert pd_request(a.url, b.url, PROMPTS[0], room=4343).status_code == 200
         r = switch(a.url, "null", drain=False)
         assert r.status_code == 200, r.text
         assert r.json()["current_mode"] == "null" and r.json()["epoch"] == 2 and "switched back" in r.json()["message"]

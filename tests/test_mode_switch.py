@@ -297,6 +297,14 @@ def send_pd(prefill: Scheduler, decode: Scheduler, reqs, max_new: int) -> None:
                                  **f))
 
 
+def decoding(prefill: Scheduler, decode: Scheduler, reqs, max_new: int) -> dict:
+    """Send `reqs` to the pair and run both until every one of them decodes on `decode`; the outputs so far."""
+    send_pd(prefill, decode, reqs, max_new)
+    out: dict = {}
+    run_all([prefill, decode], out, lambda: len(decode.running) == len(reqs))
+    return out
+
+
 def finished(out: dict, sched: Scheduler, reqs) -> bool:
     """Every one of `reqs` ended on `sched` (its decode side)."""
     mine = out.get(id(sched), {})
@@ -353,9 +361,7 @@ def test_a_decode_server_hands_its_answers_over_to_prefill_and_prefills_at_once(
 def test_a_decode_server_hands_its_answers_over_to_null_and_serves_whole_requests_at_once(trio):
     (p, d, _), (pp, _, _) = trio
     old = pd_prompts(pp, 3, "old", 4)
-    send_pd(p, d, old, 30)
-    out: dict = {}
-    run_all([p, d], out, lambda: len(d.running) == 3)
+    out = decoding(p, d, old, 30)
     r = switch(d, "null", handover=True)
     assert r.status_code == 200 and r.current_mode == "null", r.message
     rng = random.Random(5)
@@ -519,9 +525,7 @@ def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio
 
     (p, d, _), (pp, _, _) = trio
     old = pd_prompts(pp, 2, "old", 9)
-    send_pd(p, d, old, 60)
-    out: dict = {}
-    run_all([p, d], out, lambda: len(d.running) == 2)
+    out = decoding(p, d, old, 60)
     assert switch(d, "prefill", handover=True).status_code == 200
     assert switch(d, "null", drain=True, timeout_s=0.01) is None
     time.sleep(0.05)
@@ -571,9 +575,7 @@ def test_a_switch_back_during_a_handover_waits_for_the_new_roles_own_requests_on
     (p, d, x), (pp, pd_port, _) = trio
     cache_kind = type(d.mem.tree_cache)
     old = pd_prompts(pp, 2, "old", 41)
-    send_pd(p, d, old, 160)
-    out: dict = {}
-    run_all([p, d], out, lambda: len(d.running) == 2)
+    out = decoding(p, d, old, 160)
     epoch = d.controller.epoch
     assert switch(d, "prefill", handover=True).status_code == 200
     new = pd_prompts(pd_port, 3, "new", 42)
@@ -659,9 +661,7 @@ def test_a_switch_back_from_null_waits_for_prefixes_null_holds_where_decode_shar
 def test_a_switch_back_that_fails_leaves_the_handover_as_it_was(trio, step):
     (p, d, _), (pp, _, _) = trio
     old = pd_prompts(pp, 2, "old", 71)
-    send_pd(p, d, old, 40)
-    out: dict = {}
-    run_all([p, d], out, lambda: len(d.running) == 2)
+    out = decoding(p, d, old, 40)
     epoch = d.controller.epoch
     assert switch(d, "prefill", handover=True).status_code == 200
     d.controller.faults.step = step
@@ -680,9 +680,7 @@ def test_a_switch_back_whose_drain_times_out_leaves_the_handover_going(trio):
 
     (p, d, x), (pp, pd_port, _) = trio
     old = pd_prompts(pp, 1, "old", 81)
-    send_pd(p, d, old, 40)
-    out: dict = {}
-    run_all([p, d], out, lambda: len(d.running) == 1)
+    out = decoding(p, d, old, 40)
     assert switch(d, "prefill", handover=True).status_code == 200
     new = pd_prompts(pd_port, 1, "new", 82)
     send_pd(d, x, new, 4)  # X is not stepped: the prompt stays D's

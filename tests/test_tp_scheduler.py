@@ -275,29 +275,36 @@ def prefill_new_for(p: RankGroup, d: RankGroup, port: int, prompts: list, rng: r
     return pout, dout
 
 
-def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
-    """TP decode server B hands its answers over to prefill while they decode: every rank builds the same
-    batches (rank 0's clock decides when the answers are owed time), B prefills for A (now decode) at once,
-    and every output equals the reference."""
-    a, b, pa, pb = pair
+def answers_decoding(a: RankGroup, b: RankGroup, pa: int, seed: int, n: int) -> tuple[list, random.Random, dict]:
+    """A to prefill, B to decode; n PD requests of 40 tokens (old0..) run until B decodes them all. The prompts,
+    the generator that drew their rooms (to draw more), and B's rank-0 tokens so far."""
     assert switch(a, "prefill").status_code == 200 and switch(b, "decode").status_code == 200
-    old = prompts_for(7, 3)
-    rng = random.Random(7)
+    old = prompts_for(seed, n)
+    rng = random.Random(seed)
     for i, p in enumerate(old):
         f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pa, bootstrap_room=rng.randrange(2**63))
         for g in (a, b):
             g.handle(GenerateReq(rid=f"old{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=40, temperature=0),
                                  **f))
     deadline = time.time() + 60
-    while len(b.lead.running) < 3:
+    while len(b.lead.running) < n:
         assert time.time() < deadline
         for g in (a, b):
             g.each(lambda s: s.step())
-    got = take_lead_outputs(b)
+    return old, rng, take_lead_outputs(b)
+
+
+def test_tp_handover_every_rank_decodes_the_same_handed_over_answers(pair):
+    """TP decode server B hands its answers over to prefill while they decode: every rank builds the same
+    batches (rank 0's clock decides when the answers are owed time), B prefills for A (now decode) at once,
+    and every output equals the reference."""
+    a, b, pa, pb = pair
+    old, rng, got = answers_decoding(a, b, pa, seed=7, n=3)
     r = switch(b, "prefill", handover=True)
     assert r.status_code == 200 and "handover" in r.message, r.message
     assert modes(b) == [("prefill", 2)] * TP
     reply = switch(a, "decode", drain=True, timeout_s=30)  # after its transfers in flight
+    deadline = time.time() + 60
     while reply is None:
         assert time.time() < deadline
         for g in (a, b):
@@ -349,20 +356,7 @@ def test_tp_switch_back_during_a_handover_fails_or_goes_on_every_rank_together(p
     every rank handing over, and the next one takes every rank back to decode at once, where the answers end
     equal to the reference."""
     a, b, pa, _ = pair
-    assert switch(a, "prefill").status_code == 200 and switch(b, "decode").status_code == 200
-    old = prompts_for(11, 2)
-    rng = random.Random(11)
-    for i, p in enumerate(old):
-        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=pa, bootstrap_room=rng.randrange(2**63))
-        for g in (a, b):
-            g.handle(GenerateReq(rid=f"old{i}", input_ids=p, sampling=SamplingParams(max_new_tokens=40, temperature=0),
-                                 **f))
-    deadline = time.time() + 60
-    while len(b.lead.running) < 2:
-        assert time.time() < deadline
-        for g in (a, b):
-            g.each(lambda s: s.step())
-    got = take_lead_outputs(b)
+    old, rng, got = answers_decoding(a, b, pa, seed=11, n=2)
     assert switch(b, "prefill", handover=True).status_code == 200 and modes(b) == [("prefill", 2)] * TP
     b.ranks[rank].controller.faults.step = "cache"
     r = switch(b, "decode")

@@ -300,7 +300,23 @@ class ModeController:
         def commit() -> None:
             self.faults.check("commit", self.target)
 
-        for step in (check, cache, init, bootstrap, activate, commit):
+        failure = self._agreed_steps((check, cache, init, bootstrap, activate, commit))
+        if failure is not None:
+            return self._rollback(p, failure, old_role, old_cache, made["role"])
+        held = self._held(old_role)
+        self._commit(p, old_role, old_cache, made["role"], made["cache"])
+        text = f"switched from {old_role.name} to {mode}"
+        if p.handover and held:
+            text += (f"; the {held} request{'s' if held != 1 else ''} the {old_role.name} role held finish under "
+                     f"{mode} (handover)")
+        elif p.handover:
+            text += f"; the {old_role.name} role held no request (handover)"
+        return self._switched(p, t0, text)
+
+    def _agreed_steps(self, steps: tuple) -> Optional[tuple[str, int]]:
+        """Run the steps in order, every TP rank agreeing after each; the first failure (why, HTTP status), or
+        None when all succeeded."""
+        for step in steps:
             error = None
             try:
                 step()
@@ -308,20 +324,20 @@ class ModeController:
                 error = e
             failure = agree(self.tp, step.__name__, error)
             if failure is not None:
-                return self._rollback(p, failure, old_role, old_cache, made["role"])
-        new_role, new_cache = made["role"], made["cache"]
-        held = len(s.live_reqs()) + len(s.waiting_queue) + len(old_role.queued_reqs())
-        self._commit(p, old_role, old_cache, new_role, new_cache)
+                return failure
+        return None
+
+    def _held(self, role) -> int:
+        """The requests the server holds, `role`'s own queues counted."""
+        s = self.s
+        return len(s.live_reqs()) + len(s.waiting_queue) + len(role.queued_reqs())
+
+    def _switched(self, p: PendingSwitch, t0: float, text: str) -> SwitchModeResp:
+        """A committed switch's timings, log line and 200 answer."""
         p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
         p.timings_ms.setdefault("drain", 0.0)
         self.last_timings_ms = dict(p.timings_ms)
         self.last_error = None
-        text = f"switched from {old_role.name} to {mode}"
-        if p.handover and held:
-            text += (f"; the {held} request{'s' if held != 1 else ''} the {old_role.name} role held finish under "
-                     f"{mode} (handover)")
-        elif p.handover:
-            text += f"; the {old_role.name} role held no request (handover)"
         logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
         return self._reply(p.msg, 200, text, p.timings_ms)
 
@@ -346,20 +362,14 @@ class ModeController:
         def commit() -> None:
             self.faults.check("commit", self.target)
 
-        for step in (check, cache, commit):
-            error = None
-            try:
-                step()
-            except Exception as e:
-                error = e
-            failure = agree(self.tp, step.__name__, error)
-            if failure is not None:
-                why, code = failure
-                self.state, self.target = TransitionState.HANDOVER, None
-                self.last_error = f"switch back to {mode} failed{why}"
-                logger.warning("%s; the handover to %s goes on", self.last_error, role.name)
-                return self._reply(p.msg, code, f"{self.last_error}; {self._still_handing_over()}")
-        held = len(s.live_reqs()) + len(s.waiting_queue) + len(role.old.queued_reqs())
+        failure = self._agreed_steps((check, cache, commit))
+        if failure is not None:
+            why, code = failure
+            self.state, self.target = TransitionState.HANDOVER, None
+            self.last_error = f"switch back to {mode} failed{why}"
+            logger.warning("%s; the handover to %s goes on", self.last_error, role.name)
+            return self._reply(p.msg, code, f"{self.last_error}; {self._still_handing_over()}")
+        held = self._held(role.old)
         if made["cache"] is not None:
             s.mem.tree_cache.flush()  # nothing in it is locked (checked): every request owns its KV
             s.set_cache(made["cache"])
@@ -368,14 +378,8 @@ class ModeController:
         self._dispose(role.new)
         self.epoch += 1
         self._to_idle()
-        p.timings_ms["switch"] = round((time.monotonic() - t0) * 1000, 3)
-        p.timings_ms.setdefault("drain", 0.0)
-        self.last_timings_ms = dict(p.timings_ms)
-        self.last_error = None
-        text = (f"switched back from {role.name} to {mode} during its handover; the {held} "
-                f"request{'s' if held != 1 else ''} held go on under {mode}")
-        logger.info("%s (epoch %d) in %.1f ms", text, self.epoch, p.timings_ms["switch"])
-        return self._reply(p.msg, 200, text, p.timings_ms)
+        return self._switched(p, t0, f"switched back from {role.name} to {mode} during its handover; the {held} "
+                                     f"request{'s' if held != 1 else ''} held go on under {mode}")
 
     def _check_quiescent(self, handover: bool, keeps_cache: bool) -> None:
         """Nothing runs (a handover: no pass in flight, nor a chunked prefill where the prefix cache is
