@@ -526,7 +526,9 @@ def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio
     (p, d, _), (pp, _, _) = trio
     old = pd_prompts(pp, 2, "old", 9)
     out = decoding(p, d, old, 60)
+    assert d.make_stats(1).handing_over_from == ""
     assert switch(d, "prefill", handover=True).status_code == 200
+    assert d.make_stats(1).handing_over_from == "decode"  # /get_load says it: the router refuses a third role
     assert switch(d, "null", drain=True, timeout_s=0.01) is None
     time.sleep(0.05)
     d.step()
@@ -545,7 +547,7 @@ def test_a_drained_switch_asked_during_a_handover_waits_for_it_or_times_out(trio
     run_all([p, d], out, replied(d, replies))
     (r,) = replies
     assert r.status_code == 200 and r.current_mode == "null" and r.timings_ms["drain"] > 0, r.message
-    assert finished(out, d, old) and type(d.role).__name__ == "NullRole"
+    assert finished(out, d, old) and type(d.role).__name__ == "NullRole" and d.make_stats(1).handing_over_from == ""
     assert all(out[id(d)][rid][0] == reference_generate(prompt, 60) for rid, prompt, _ in old)
 
 

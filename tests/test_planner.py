@@ -197,6 +197,21 @@ def test_a_moved_worker_keeps_its_own_cooldown():
     assert blocked and all(not x.legal and "worker cooldown" in x.reason for x in blocked)
 
 
+def test_a_worker_handing_over_moves_only_back_to_the_role_it_finishes():
+    """A prefill worker that was null and still finishes its null requests (a handover) would wait for them out of
+    every pool if moved to decode: the planner moves the other prefill worker there; the move back to null stays
+    legal (it goes at once)."""
+    loads = layout(2, 1, 0, decode={"running_reqs": 60})
+    loads[0] = msgspec.structs.replace(loads[0], handing_over_from=NULL)
+    d = decide(NOW, cfg(), PlannerState(), loads, LONG_ANSWERS, COST)
+    assert d.kind == "move" and (d.url, d.src, d.dst) == ("http://prefill1", PREFILL, DECODE), d.reason
+    mine = {x.dst: x for x in d.candidates if x.url == "http://prefill0"}
+    assert not mine[DECODE].legal and mine[DECODE].reason.startswith("handing over: it finishes its null requests")
+    assert mine[NULL].legal, mine[NULL].reason
+    first = decide(NOW, cfg(), PlannerState(), layout(2, 1, 0, decode={"running_reqs": 60}), LONG_ANSWERS, COST)
+    assert first.url == "http://prefill0"  # without the handover, the first of equals moves
+
+
 def test_at_most_the_allowed_moves_in_flight():
     state = PlannerState()
     state.started(NOW - 100, "http://other", DECODE, PREFILL)

@@ -249,7 +249,16 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
         workers["d1"].fail_switch = True  # a failed hand move backs the worker off, as a failed planner move
         resp = r.post("/admin/set_worker_role", {"url": workers["d1"].url, "mode": "null"})
         assert resp.status_code == 500 and planner.state.workers[workers["d1"].url].failures == 1
+        status = httpx.get(r.url + "/planner/status").json()
+        metrics = httpx.get(r.url + "/metrics").text
     workers["d1"].fail_switch = False
+    # both moves are in the status's history, newest first, and in the metrics (none is the planner's own)
+    hand = [(d["url"], d["src"], d["dst"], d["outcome"][:7]) for d in status["decisions"] if d["kind"] == "hand"]
+    assert hand == [(workers["d1"].url, "decode", "null", "failed:"), (d2, "decode", "prefill", "ok")]
+    assert "set_worker_role" in status["decisions"][0]["reason"]
+    assert 'tidal_router:hand_moves_total{from="decode",outcome="ok",route="router",to="prefill"} 1.0' in metrics
+    assert 'tidal_router:hand_moves_total{from="decode",outcome="failed",route="router",to="null"} 1.0' in metrics
+    assert "tidal_router:planner_moves_total{" not in metrics
 
 
 def test_a_hand_move_to_the_workers_own_mode_is_no_move(workers, tmp_path):
@@ -422,4 +431,11 @@ def test_a_switch_made_on_the_worker_itself_counts_as_a_move_by_hand(workers, tm
         now, cfg = planner.clock(), planner.cfg
         assert planner.state.worker_blocked(now, d2, cfg).startswith("worker cooldown")
         assert "cooldown after a move decode->prefill" in planner.state.reversal(now, "prefill", "decode", cfg)
-        assert "decode->prefill" in httpx.get(r.url + "/planner/status").json()["cooldown"]["recent_moves"]
+        status = httpx.get(r.url + "/planner/status").json()
+        metrics = httpx.get(r.url + "/metrics").text
+    assert "decode->prefill" in status["cooldown"]["recent_moves"]
+    hand = status["decisions"][0]
+    assert (hand["kind"], hand["url"], hand["src"], hand["dst"], hand["outcome"]) == ("hand", d2, "decode", "prefill",
+                                                                                      "ok")
+    assert "worker's own route" in hand["reason"]
+    assert 'tidal_router:hand_moves_total{from="decode",outcome="ok",route="worker",to="prefill"} 1.0' in metrics

@@ -385,6 +385,47 @@ def test_a_hand_move_that_leaves_nothing_to_route_to_is_refused_unless_forced(mo
         assert m["p1"].switches == before["p1"] + 1 and m["d2"].switches == before["d2"]
 
 
+def test_a_hand_move_to_a_third_role_during_a_handover_is_refused_unless_forced(movable):
+    """d1 moved from decode to prefill finishes its decode requests (its /get_load says so): a move to null would
+    wait for them with d1 out of every pool, so it is refused (409, d1 still serving prefill); the move back to
+    decode goes, and a forced move to null too."""
+    m = movable
+    with pd(m, decode=("d1", "d2")) as r:
+        d1 = m["d1"].url
+        assert r.post("/admin/set_worker_role", {"url": d1, "mode": "prefill"}).status_code == 200
+        m["d1"].load = {**m["d1"].load, "handing_over_from": "decode"}
+        try:
+            switches = m["d1"].switches
+            resp = r.post("/admin/set_worker_role", {"url": d1, "mode": "null"})
+            assert resp.status_code == 409, resp.text
+            message = resp.json()["error"]["message"]
+            assert "is handing over: it serves as prefill while it finishes its decode requests" in message
+            assert "move back to decode at once" in message and '"force": true' in message
+            assert m["d1"].switches == switches and d1 in [w.url for w in r.state.registry.pool(PREFILL)]
+            assert r.post("/admin/set_worker_role", {"url": d1, "mode": "decode"}).status_code == 200
+            m["d1"].load["handing_over_from"] = ""  # back in decode: no handover
+            assert r.post("/admin/set_worker_role", {"url": d1, "mode": "prefill"}).status_code == 200
+            m["d1"].load["handing_over_from"] = "decode"
+            resp = r.post("/admin/set_worker_role", {"url": d1, "mode": "null", "force": True})
+            assert resp.status_code == 200 and m["d1"].role == "null", resp.text
+        finally:
+            m["d1"].load.pop("handing_over_from")
+
+
+def test_a_workers_load_sums_its_ranks_and_keeps_the_role_it_hands_over_from():
+    from tidal.planner.loop import worker_load
+    from tidal.router.workers import sum_load
+
+    load = sum_load([{"dp_rank": 0, "num_reqs": 1, "handing_over_from": ""},
+                     {"dp_rank": 1, "num_reqs": 2, "num_decoding_reqs": 1, "handing_over_from": "decode"}])
+    assert load == {"num_reqs": 3, "num_waiting_reqs": 0, "num_tokens": 0, "num_queued_prefill_tokens": 0,
+                    "max_total_tokens": 0, "num_decoding_reqs": 1, "handing_over_from": "decode"}
+    w = Worker(url="http://w", mode=PREFILL)
+    w.load = load
+    assert worker_load(w).handing_over_from == "decode" and worker_load(w).running_reqs == 3
+    assert "handing_over_from" not in sum_load([{"num_reqs": 1}])  # a server that does not say: none
+
+
 def test_a_router_set_to_drain_decode_workers_asks_for_no_handover(movable):
     m = movable
     with pd(m, decode=("d1", "d2"), planner=PlannerConfig(decode_move="drain")) as r:

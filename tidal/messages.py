@@ -167,6 +167,7 @@ class StatsResp(_Msg):
     total_cached_tokens: int
     disaggregation_mode: str = "null"
     epoch: int = 0
+    handing_over_from: str = ""  # during a handover: the role whose requests it still finishes ("" otherwise)
     queue_sizes: dict[str, int] = {}
     num_overlapped_batches: int = 0  # decode passes launched while the previous one ran
     # KV transfer (prefill/decode roles): counters and a latency histogram {le: count}

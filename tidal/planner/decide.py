@@ -257,6 +257,15 @@ def make_predictor(cfg: PlannerConfig, cost: Any, current: dict[str, int]) -> An
     return ObservedPredictor(current, cfg.ttft_slo_s, cfg.tpot_slo_s)
 
 
+def handing_over(w: WorkerLoad, dst: str) -> str:
+    """Why `w` may not move to `dst` now: it still finishes another role's requests (a handover), and a switch
+    to a third role would wait for them out of every pool. The move back to that role goes at once."""
+    if not w.handing_over_from or dst == w.handing_over_from:
+        return ""
+    return (f"handing over: it finishes its {w.handing_over_from} requests; until they end only a move back to "
+            f"{w.handing_over_from} goes at once")
+
+
 def drain_work(w: WorkerLoad) -> int:
     """Requests a move of `w` must wait for: what it reports, or what the router has open on it when
     that is more (a decode worker holds PD requests whose prefill has not finished yet)."""
@@ -459,7 +468,7 @@ def candidates(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[
         for dst in MODES:
             if dst == w.mode:
                 continue
-            reason = (blocked or layout_problem(pools, w.mode, dst, cfg.min_per_pool)
+            reason = (blocked or handing_over(w, dst) or layout_problem(pools, w.mode, dst, cfg.min_per_pool)
                       or ("" if overloaded else state.reversal(now, w.mode, dst, cfg, queued_answers)))
             if (w.mode, dst) not in predictions:
                 predictions[w.mode, dst] = rated(predictor, after_move(heading, w.mode, dst), load, traffic)

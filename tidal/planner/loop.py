@@ -38,7 +38,8 @@ def worker_load(w: Worker) -> WorkerLoad:
                       in_flight=w.in_flight, decoding_reqs=load.get("num_decoding_reqs", -1),
                       waiting_prompt_tokens=load.get("num_waiting_prompt_tokens", -1),
                       prompts_received=load.get("prompts_received_total", -1),
-                      prompt_tokens_received=load.get("prompt_tokens_received_total", -1))
+                      prompt_tokens_received=load.get("prompt_tokens_received_total", -1),
+                      handing_over_from=str(load.get("handing_over_from") or ""))
 
 
 def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:
@@ -86,6 +87,7 @@ class PlannerLoop:
         self._round = asyncio.Lock()
         self._last_repeat: Optional[tuple] = None  # the last decision, when a hold or advice (`_record`)
         self._warned_extrapolation = False
+        self._hand: dict[str, Decision] = {}  # the moves by hand in flight, by worker
 
     # ------------------------------------------------------------ lifecycle
 
@@ -208,17 +210,10 @@ class PlannerLoop:
             status, body = 0, {"error": {"message": f"{type(e).__name__}: {e}"}}
         ok = status == 200
         self.state.finished(self.clock(), d.url, ok, self.cfg)
-        d.outcome = "ok" if ok else f"failed: {(body.get('error') or {}).get('message', status)}"
-        if ok:
-            timings = body.get("timings_ms")
-            d.timings_ms = {k: v for k, v in (timings if isinstance(timings, dict) else {}).items()
-                            if isinstance(v, (int, float))}
-            d.worker_message = str(body.get("message") or "")
+        _settle(d, status, body)
         self.st.metrics.planner_moves.labels(d.src, d.dst, "ok" if ok else "failed").inc()
         log = logger.info if ok else logger.warning
-        took = "".join(f", {k} {v:.0f} ms" for k, v in d.timings_ms.items())
-        said = f" ({d.worker_message})" if d.worker_message else ""
-        log("planner: move %s %s->%s %s%s%s", d.url, d.src, d.dst, d.outcome, took, said)
+        log("planner: move %s %s->%s %s%s", d.url, d.src, d.dst, d.outcome, _took(d))
         if ok:
             self._walk_on()
 
@@ -230,13 +225,22 @@ class PlannerLoop:
 
     def hand_move_started(self, url: str, src: str, dst: str) -> None:
         """A move through /admin/set_worker_role: in flight like the planner's own, with the same cooldowns
-        (reversal, worker) from its start and end; the planner's target, set before it, is dropped."""
+        (reversal, worker) from its start and end; the planner's target, set before it, is dropped. It shows among
+        the status's decisions as kind "hand" and counts in `tidal_router:hand_moves_total` once it ends."""
         self.state.started(self.clock(), url, src, dst)
         self.state.committed = None
+        self._hand[url] = self._hand_record(url, src, dst, "moved by hand (POST /admin/set_worker_role)")
         logger.info("planner: a move by hand %s %s->%s; its cooldowns start now", url, src, dst)
 
-    def hand_move_finished(self, url: str, ok: bool) -> None:
+    def hand_move_finished(self, url: str, status: int, body: Any) -> None:
+        ok = status == 200
         self.state.finished(self.clock(), url, ok, self.cfg)
+        d = self._hand.pop(url, None)
+        if d is not None:
+            _settle(d, status, body if isinstance(body, dict) else {})
+            self.st.metrics.hand_moves.labels(d.src, d.dst, "ok" if ok else "failed", "router").inc()
+            (logger.info if ok else logger.warning)("planner: move by hand %s %s->%s %s%s", url, d.src, d.dst,
+                                                    d.outcome, _took(d))
 
     def switched_behind(self, url: str, src: str, dst: str) -> None:
         """A worker found in another mode than the router knew, switched on its own route: a move by hand,
@@ -246,6 +250,14 @@ class PlannerLoop:
         self.state.started(self.clock(), url, src, dst)
         self.state.committed = None
         self.state.finished(self.clock(), url, True, self.cfg)
+        d = self._hand_record(url, src, dst, "switched on the worker's own route, found by the health check")
+        d.outcome = "ok"
+        self.st.metrics.hand_moves.labels(src, dst, "ok", "worker").inc()
+
+    def _hand_record(self, url: str, src: str, dst: str, reason: str) -> Decision:
+        d = Decision(at=self.clock(), kind="hand", reason=reason, url=url, src=src, dst=dst)
+        self.decisions.append(d)
+        return d
 
     def _record(self, d: Decision, traffic: Any) -> None:
         m = self.st.metrics
@@ -284,6 +296,23 @@ class PlannerLoop:
             "decisions": [_summary(x, time.time() - now) for x in reversed(self.decisions)],  # newest first
             "cooldown": self.state.to_dict(now, self.cfg),
         }
+
+
+def _settle(d: Decision, status: int, body: dict) -> None:
+    """A move's outcome from the mover's answer: "ok" with the worker's timings and message, or why it failed."""
+    if status != 200:
+        d.outcome = f"failed: {(body.get('error') or {}).get('message', status)}"
+        return
+    d.outcome = "ok"
+    timings = body.get("timings_ms")
+    d.timings_ms = {k: v for k, v in (timings if isinstance(timings, dict) else {}).items()
+                    if isinstance(v, (int, float))}
+    d.worker_message = str(body.get("message") or "")
+
+
+def _took(d: Decision) -> str:
+    took = "".join(f", {k} {v:.0f} ms" for k, v in d.timings_ms.items())
+    return took + (f" ({d.worker_message})" if d.worker_message else "")
 
 
 def _brief(pred: Optional[Prediction]) -> str:

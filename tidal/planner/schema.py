@@ -30,6 +30,9 @@ class WorkerLoad(msgspec.Struct, kw_only=True):
     # since the worker started: requests it accepted and their prompts' tokens, counted on arrival (-1: not reported)
     prompts_received: int = -1
     prompt_tokens_received: int = -1
+    # during a handover: the role whose requests it still finishes; until they end a move to a third role would
+    # wait for them out of every pool, so only the move back to that role is legal
+    handing_over_from: str = ""
 
     @property
     def kv_usage(self) -> float:
@@ -109,7 +112,9 @@ class Candidate(msgspec.Struct, kw_only=True):
 
 class Decision(msgspec.Struct, kw_only=True):
     at: float  # the planner clock (seconds)
-    kind: str  # "move", "hold", or "advise" (a move --planner advise would start, not started)
+    # "move", "hold", or "advise" (a move --planner advise would start, not started); in the status's history also
+    # "hand": a move by hand (the router's /admin/set_worker_role, or a worker switched on its own route), no decision
+    kind: str
     reason: str
     # a hold's cause, stable for counting: static, no_observations, no_arrivals, no_lengths, no_layout,
     # at_best, gain_too_small, moves_in_flight, no_legal_move ("" for a move)

@@ -75,6 +75,11 @@ class ModeController:
 
     # ------------------------------------------------------------------ requests
 
+    @property
+    def handing_over_from(self) -> str:
+        """The role whose requests a handover still finishes ("" when none)."""
+        return self.s.role.old.name if isinstance(self.s.role, HandoverRole) else ""
+
     def on_switch(self, msg: SwitchModeReq) -> Optional[SwitchModeResp]:
         """Start a switch; the reply now, or None when it comes later (after a drain, or a handover first)."""
         invalid = self._invalid(msg.mode)

@@ -25,6 +25,10 @@ class RouterMetrics:
                                wl, registry=r)
         self.planner_moves = Counter("tidal_router:planner_moves", "Role moves the planner started, by outcome",
                                      ["from", "to", "outcome"], registry=r)
+        self.hand_moves = Counter("tidal_router:hand_moves",
+                                  "Role moves by hand, by outcome and route: through the router's "
+                                  "/admin/set_worker_role, or on the worker's own switch route (found by the "
+                                  "health check)", ["from", "to", "outcome", "route"], registry=r)
         self.planner_decisions = Counter("tidal_router:planner_decisions",
                                          "Planner decisions by kind (move, hold, advise)", ["kind"], registry=r)
         pool = ["pool"]

@@ -8,7 +8,8 @@ null, and a null worker moving to prefill, drain nothing: they hand what they ho
 `--planner-decode-move drain`).
 
 A move by hand is refused (409) when the layout it leads to could route nothing where the one
-the router heads for could, unless the body says `"force": true`; it starts the planner's
+the router heads for could, or when the worker is handing over and the move is to a third role
+(it would wait out of every pool until the handover ends), unless the body says `"force": true`; it starts the planner's
 cooldowns as the planner's own moves do, so the planner does not undo it at its next round.
 """
 
@@ -21,7 +22,7 @@ import aiohttp
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from tidal.router.workers import DECODE, MODES, NULL, PREFILL, Worker
+from tidal.router.workers import DECODE, HANDOVER_KEY, MODES, NULL, PREFILL, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,8 @@ class RoleMover:
         """A move asked for through the API: checked against the layout it leads to, known to the planner."""
         w: Worker = self.st.registry.get(url)
         refusal = self._refusal(w, url, mode) or (None if force else self._no_route_after(w, mode))
+        if refusal is None and not force:
+            refusal = await self._handing_over(w, mode)
         if refusal is not None:
             return _json(refusal[1], refusal[0])
         # to its own mode no move: the worker is asked (it says so, or mends a mode set behind the router's back)
@@ -57,7 +60,7 @@ class RoleMover:
             self.st.planner.hand_move_started(url, w.mode, mode)
         status, body = await self.move_result(url, mode)
         if moving:
-            self.st.planner.hand_move_finished(url, status == 200)
+            self.st.planner.hand_move_finished(url, status, body)
         return _json(body, status)
 
     def _refusal(self, w: Worker, url: str, mode: str) -> "tuple[int, dict] | None":
@@ -83,6 +86,20 @@ class RoleMover:
         layout = ", ".join(f"{n} {m}" for m, n in after.items())
         return _error(f"moving {w.url} to {mode} would leave {layout}: no worker could serve a request; "
                       f"send \"force\": true to move it anyway", 409)
+
+    async def _handing_over(self, w: Worker, mode: str) -> "tuple[int, dict] | None":
+        """409 when `w` still finishes another role's requests (a handover, as its load says now) and `mode` is a
+        third role: the switch would wait for them with the worker out of every pool."""
+        if mode == w.mode:
+            return None
+        await self.st.checker.refresh_load(w)
+        origin = (w.load or {}).get(HANDOVER_KEY) or ""
+        if not origin or mode == origin:
+            return None
+        return _error(f"worker {w.url} is handing over: it serves as {w.mode} while it finishes its {origin} "
+                      f"requests. Until they end it can move back to {origin} at once, but a move to {mode} would "
+                      f"wait for them out of every pool; try again later, or send \"force\": true to move it anyway",
+                      409)
 
     async def move_result(self, url: str, mode: str) -> tuple[int, dict]:
         """(HTTP status, JSON body): 200 and the new mode, or an error with the worker left where it was."""

@@ -26,6 +26,8 @@ LOAD_KEYS = ("num_reqs", "num_waiting_reqs", "num_tokens", "num_queued_prefill_t
              "num_decoding_reqs", "num_waiting_prompt_tokens", "prompts_received_total", "prompt_tokens_received_total")
 # reported by tidal servers, not by every server the router may drive: absent, the planner falls back
 OPTIONAL_LOAD_KEYS = LOAD_KEYS[5:]
+# a tidal server's during a handover: the role whose requests it still finishes (a string, not summed)
+HANDOVER_KEY = "handing_over_from"
 
 
 def normalize_url(url: str) -> str:
@@ -59,6 +61,8 @@ def sum_load(entries: Any) -> Optional[dict]:
     total = {k: 0 for k in LOAD_KEYS if k not in OPTIONAL_LOAD_KEYS}
     for e in entries:
         if isinstance(e, dict):
+            if isinstance(e.get(HANDOVER_KEY), str) and e[HANDOVER_KEY]:
+                total[HANDOVER_KEY] = e[HANDOVER_KEY]
             for k in LOAD_KEYS:
                 v = e.get(k)
                 if isinstance(v, (int, float)):

@@ -505,6 +505,7 @@ class Scheduler:
             total_cached_tokens=s.total_cached_tokens,
             disaggregation_mode=self.role.name,
             epoch=self.controller.epoch,
+            handing_over_from=self.controller.handing_over_from,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
                          "grammar": len(self.grammars.waiting),
                          **self.role.queue_sizes()},

@@ -358,6 +358,7 @@ def _add_admin_routes(app: FastAPI) -> None:
                           "prompts_received_total": tm.prompts_received,
                           "prompt_tokens_received_total": tm.prompt_tokens_received,
                           "max_total_tokens": st.max_total_tokens,
+                          "handing_over_from": st.handing_over_from,
                           "age_s": round(age, 3)}])
 
     async def flush_cache(request: Request) -> Response:

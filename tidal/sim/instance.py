@@ -151,7 +151,8 @@ class SimInstance:
                 "num_decoding_reqs": len(self.running),
                 "num_waiting_prompt_tokens": sum(r.input_len for r in self.waiting + self.arrived),
                 "prompts_received_total": self.prompts_received,
-                "prompt_tokens_received_total": self.prompt_tokens_received}
+                "prompt_tokens_received_total": self.prompt_tokens_received,
+                "handing_over_from": self.handover_move.src if self.handing_over() else ""}
 
     def receive(self, r: SimReq) -> None:
         """The router sent `r` here (to prefill, or a PD request to decode)."""
