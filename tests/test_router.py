@@ -348,6 +348,21 @@ def test_a_worker_refusing_a_move_is_a_502_with_its_message_and_stays(m):
                                               "Invalid or missing admin key"
 
 
+def test_a_switch_answered_with_a_body_that_is_no_object_fails_the_move_and_frees_the_planner(m):
+    """A worker answering 200 with a JSON list: a 502 saying what it reported, the worker stays in its pool, and the
+    move by hand is over for the planner (none left in flight to hold its own moves back)."""
+    m["d1"].switch_refusal = (200, ["switched"])
+    with pd(m, decode=("d1", "d2")) as r:
+        resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill"})
+        assert [w.url for w in r.state.registry.pool(DECODE)] == [m["d1"].url, m["d2"].url]
+        planner = r.state.planner
+        assert planner.state.in_flight == {} and planner.state.workers[m["d1"].url].failures == 1
+        assert planner.decisions[-1].outcome.startswith("failed: worker")
+    assert resp.status_code == 502, resp.text
+    assert "reported mode None epoch None; expected prefill" in resp.json()["error"]["message"]
+    assert resp.json()["worker_response"] == ["switched"]
+
+
 @pytest.fixture
 def movable(m):
     """The mocks, their roles and epochs put back after a test that moves them."""

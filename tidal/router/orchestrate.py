@@ -58,9 +58,12 @@ class RoleMover:
         moving = mode != w.mode
         if moving:
             self.st.planner.hand_move_started(url, w.mode, mode)
-        status, body = await self.move_result(url, mode)
-        if moving:
-            self.st.planner.hand_move_finished(url, status, body)
+        status, body = 0, {}
+        try:
+            status, body = await self.move_result(url, mode)
+        finally:  # also when cancelled: a move left in flight would hold the planner's moves back for good
+            if moving:
+                self.st.planner.hand_move_finished(url, status, body)
         return _json(body, status)
 
     def _refusal(self, w: Worker, url: str, mode: str) -> "tuple[int, dict] | None":
@@ -115,16 +118,17 @@ class RoleMover:
                 return _error(f"worker {url} did not switch to {mode}: {_worker_message(body, status)}",
                               # the worker refusing the router's key is not the caller's auth failing
                               502 if status in (0, 401, 403) else status, worker_response=body)
-            epoch = body.get("epoch")
-            if body.get("current_mode") != mode or (old_epoch is not None and mode != old_mode
+            said = body if isinstance(body, dict) else {}
+            epoch = said.get("epoch")
+            if said.get("current_mode") != mode or (old_epoch is not None and mode != old_mode
                                                     and not (isinstance(epoch, int) and epoch > old_epoch)):
-                return _error(f"worker {url} reported mode {body.get('current_mode')} epoch {epoch}; "
+                return _error(f"worker {url} reported mode {said.get('current_mode')} epoch {epoch}; "
                               f"expected {mode} with an epoch above {old_epoch}", 502, worker_response=body)
             await self._learn(w, mode, epoch)
             if mode != old_mode:
                 logger.info("moved worker %s: %s -> %s (epoch %s)", url, old_mode, mode, epoch)
             return 200, {"url": w.url, "old_mode": old_mode, "mode": w.mode, "epoch": w.epoch,
-                         "timings_ms": body.get("timings_ms", {}), "message": str(body.get("message") or "")}
+                         "timings_ms": said.get("timings_ms", {}), "message": str(said.get("message") or "")}
         finally:
             w.switching = False
 
