@@ -244,6 +244,18 @@ def test_a_move_back_during_a_handover_goes_at_once_and_ends_it():
     assert all(inst.pd_decodes == 0 for inst in c.instances.values())
 
 
+def test_a_handing_over_instance_says_so_in_its_load_as_the_live_server_does():
+    """What the planner reads to keep a handing-over worker from a third role (live: /get_load's
+    handing_over_from): the role whose requests it still finishes, while it does."""
+    c = Cluster(SimConfig(prefill=1, decode=2), flat_cost(), [TraceRequest(0.0, 100, 60)])
+    worker, said = [], []
+    c.at(2.0, lambda _: (worker.append(c.requests[0].decode_url), c._start_move(worker[0], "prefill")))
+    c.at(3.0, lambda _: said.append(c.instances[worker[0]].load()["handing_over_from"]))
+    c.run()
+    assert c.requests[0].finished_at > 3.0 and said == ["decode"]
+    assert c.instances[worker[0]].load()["handing_over_from"] == ""
+
+
 def test_a_move_back_waits_for_the_prefill_roles_own_prompts():
     from tidal.sim.instance import SimInstance
 
