@@ -81,6 +81,8 @@ class MockWorker:
         self.fail_switch = False
         self.switch_refusal: Optional[tuple[int, dict]] = None  # (status, body) answered to every role switch
         self.switch_body: Optional[dict] = None  # the last role switch asked for
+        self.switch_delay_s = 0.0  # before answering a role switch
+        self.load_delay_s = 0.0  # before answering /get_load
         self.openai_answers = False  # whole OpenAI answers shaped as a tidal server's: `usage`, no meta_info
         self.server_timing: Optional[str] = None  # a Server-Timing header on every whole answer
         self._server: Optional[uvicorn.Server] = None
@@ -114,6 +116,7 @@ class MockWorker:
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
         self.openai_answers, self.server_timing = False, None
         self.fail_switch, self.switch_refusal = False, None
+        self.switch_delay_s = self.load_delay_s = 0.0
         self.stream_refusals = 0
 
     def generate_requests(self) -> list[dict]:
@@ -232,6 +235,7 @@ class MockWorker:
 
         @app.get("/get_load")
         async def get_load() -> Response:
+            await asyncio.sleep(self.load_delay_s)
             return JSONResponse([{"dp_rank": 0, **self.load}])
 
         @app.get("/server_info")
@@ -242,6 +246,7 @@ class MockWorker:
         async def switch(request: Request) -> Response:
             self.switches += 1
             self.switch_body = json.loads(await request.body())
+            await asyncio.sleep(self.switch_delay_s)
             mode = self.switch_body["mode"]
             if self.switch_refusal is not None:
                 return JSONResponse(self.switch_refusal[1], status_code=self.switch_refusal[0])

@@ -261,6 +261,30 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
     assert "tidal_router:planner_moves_total{" not in metrics
 
 
+def test_two_hand_moves_of_one_worker_at_once_are_one_move(workers, tmp_path):
+    """Two moves of d2 asked at the same instant, while the router reads d2's load (a handover's check): one
+    moves it, the other is refused (409) before it starts anything, so the planner sees one move by hand, in
+    flight for as long as it lasts, and counted once."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    workers["d2"].load_delay_s, workers["d2"].switch_delay_s = 0.3, 0.6
+    with router(workers, tmp_path, interval_s=60.0, cooldown_s=30.0) as r:
+        planner, d2 = r.state.planner, workers["d2"].url
+        with ThreadPoolExecutor(3) as pool:
+            asked = [pool.submit(r.post, "/admin/set_worker_role", {"url": d2, "mode": mode})
+                     for mode in ("prefill", "null")]
+            time.sleep(0.6)  # the winner's switch is under way
+            in_flight = dict(planner.state.in_flight)
+            codes = sorted(f.result().status_code for f in asked)
+        status = httpx.get(r.url + "/planner/status").json()
+        metrics = httpx.get(r.url + "/metrics").text
+    assert codes == [200, 409] and workers["d2"].switches == 1
+    assert list(in_flight) == [d2] and planner.state.in_flight == {}
+    hand = [d for d in status["decisions"] if d["kind"] == "hand"]
+    assert len(hand) == 1 and hand[0]["outcome"] == "ok", hand
+    assert metrics.count("tidal_router:hand_moves_total{") == 1 and 'outcome="ok"' in metrics
+
+
 def test_a_hand_move_to_the_workers_own_mode_is_no_move(workers, tmp_path):
     """Asking for the mode a worker is in answers 200 with the worker's word for it, and starts no cooldown: the
     planner may still move that worker at its next round. A body with a field the route does not know (the

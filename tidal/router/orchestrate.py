@@ -52,6 +52,8 @@ class RoleMover:
         refusal = self._refusal(w, url, mode) or (None if force else self._no_route_after(w, mode))
         if refusal is None and not force:
             refusal = await self._handing_over(w, mode)
+            # checked again after that wait: a move of the worker may have started meanwhile (two asked at once)
+            refusal = refusal or self._refusal(self.st.registry.get(url), url, mode) or self._no_route_after(w, mode)
         if refusal is not None:
             return _json(refusal[1], refusal[0])
         # to its own mode no move: the worker is asked (it says so, or mends a mode set behind the router's back)

@@ -223,6 +223,7 @@ class SchedulerLoop:
         self.send = send
         self.poller = zmq.Poller()
         self.snapshot_at = 0.0
+        self.snapshot_role: tuple = ()  # (epoch, handing_over_from) of the last snapshot
         self.was_busy = True
         if recv is not None:
             self.poller.register(recv, zmq.POLLIN)
@@ -265,17 +266,21 @@ class SchedulerLoop:
             return
         if outputs:
             self.send.send(encode(BatchOut(outputs=outputs)))
+        # before the replies: a switch's answer reaches its caller after the snapshot of the new role
+        self._send_load_snapshot(did_work)
         for reply in self.sched.take_replies():
             self.send.send(encode(reply))
-        self._send_load_snapshot(did_work)
 
     def _send_load_snapshot(self, did_work: bool) -> None:
         """Every LOAD_SNAPSHOT_INTERVAL_S, and at once when the work runs out (the idle state
-        is what a client checks after its requests ended)."""
+        is what a client checks after its requests ended) or the role changed (a switch, a handover's end: a
+        router reads the role from /get_load as the switch answers)."""
         now = time.monotonic()
         went_idle, self.was_busy = self.was_busy and not did_work, did_work
-        if went_idle or now - self.snapshot_at >= LOAD_SNAPSHOT_INTERVAL_S:
-            self.snapshot_at = now
+        c = self.sched.controller
+        role = (c.epoch, c.handing_over_from)
+        if went_idle or role != self.snapshot_role or now - self.snapshot_at >= LOAD_SNAPSHOT_INTERVAL_S:
+            self.snapshot_at, self.snapshot_role = now, role
             self.send.send(encode(LoadSnapshot(stats=self.sched.make_stats(0))))
 
     def _on_idle(self) -> None:
