@@ -77,6 +77,7 @@ class MockWorker:
         self.health_checks = 0
         self.flushes = 0
         self.epoch = 0
+        self.boot_id: Optional[str] = None  # /server_info's, when set (a tidal server's: new at each start)
         self.switches = 0  # role switch requests, failed ones included
         self.fail_switch = False
         self.switch_refusal: Optional[tuple[int, dict]] = None  # (status, body) answered to every role switch
@@ -240,7 +241,8 @@ class MockWorker:
 
         @app.get("/server_info")
         async def server_info() -> Response:
-            return JSONResponse({"disaggregation_mode": self.role, "epoch": self.epoch, "name": self.name})
+            info = {"disaggregation_mode": self.role, "epoch": self.epoch, "name": self.name}
+            return JSONResponse(info if self.boot_id is None else {**info, "boot_id": self.boot_id})
 
         @app.post("/admin/switch_disaggregation_mode")
         async def switch(request: Request) -> Response:

@@ -103,8 +103,11 @@ def test_version_and_info_aliases(server):
     assert httpx.get(server.url + "/version").json() == {"version": tidal.__version__}
     for path in ("/get_model_info", "/model_info"):
         assert httpx.get(server.url + path).json()["served_model_name"] == MODEL
-    for path in ("/get_server_info", "/server_info"):
-        assert httpx.get(server.url + path).json()["version"] == tidal.__version__
+    infos = [httpx.get(server.url + path).json() for path in ("/get_server_info", "/server_info")]
+    assert all(info["version"] == tidal.__version__ for info in infos)
+    # one per process (a router tells a restart by it): the same on every answer, 32 hex digits
+    assert infos[0]["boot_id"] == infos[1]["boot_id"] and int(infos[0]["boot_id"], 16) >= 0
+    assert len(infos[0]["boot_id"]) == 32
 
 
 def test_generate_max_new_tokens_zero_scores_the_prompt(server):

@@ -308,6 +308,25 @@ def test_unhealthy_worker_skipped_then_recovers(m):
         assert m["d2"].requests
 
 
+def test_a_worker_restarted_at_its_url_is_learned_in_the_mode_it_says(m):
+    """A tidal server counts its epochs from 0 at each start. An older epoch from the same process is a stale answer
+    (ignored); from a new process (its /server_info's boot_id changed) it is the truth: a worker restarted in another
+    mode joins that pool at the next health check instead of being held in its old one for good."""
+    m["d1"].epoch, m["d1"].boot_id = 3, "first"
+    try:
+        with pd(m, decode=("d1", "d2"), health_check_interval_s=0.1) as r:
+            d1 = m["d1"].url
+            wait_for(lambda: r.worker(d1).epoch == 3 and r.worker(d1).boot_id == "first", 5, "d1's epoch learned")
+            m["d1"].epoch = 2  # the same process: a stale answer
+            time.sleep(0.4)
+            assert (r.worker(d1).mode, r.worker(d1).epoch) == (DECODE, 3)
+            m["d1"].role, m["d1"].epoch, m["d1"].boot_id = "null", 0, "second"  # restarted as a null server
+            wait_for(lambda: r.worker(d1).mode == NULL, 5, "the restarted worker's mode learned")
+            assert r.worker(d1).epoch == 0 and [w.url for w in r.state.registry.pool(NULL)] == [d1]
+    finally:
+        m["d1"].role, m["d1"].epoch, m["d1"].boot_id = "decode", 0, None
+
+
 def test_fallback_to_whole_request_workers(m):
     m["p1"].healthy = False
     with RouterServer(prefill=[(m["p1"].url, 8998)], decode=[m["d1"].url], workers=[m["n1"].url]) as r:

@@ -245,12 +245,13 @@ class PlannerLoop:
     def switched_behind(self, url: str, src: str, dst: str) -> None:
         """A worker found in another mode than the router knew, switched on its own route: a move by hand,
         started and ended now, with its cooldowns, so that the next round does not undo it at once."""
-        logger.warning("planner: worker %s switched %s->%s behind the router (on its own switch route); counted as "
-                       "a move by hand: its cooldowns start now", url, src, dst)
+        logger.warning("planner: worker %s switched %s->%s behind the router (on its own switch route, or restarted); "
+                       "counted as a move by hand: its cooldowns start now", url, src, dst)
         self.state.started(self.clock(), url, src, dst)
         self.state.committed = None
         self.state.finished(self.clock(), url, True, self.cfg)
-        d = self._hand_record(url, src, dst, "switched on the worker's own route, found by the health check")
+        d = self._hand_record(url, src, dst, "found in another mode by the health check: switched on the worker's "
+                                             "own route, or restarted")
         d.outcome = "ok"
         self.st.metrics.hand_moves.labels(src, dst, "ok", "worker").inc()
 

@@ -85,6 +85,7 @@ class Worker:
     last_error: Optional[str] = None
     switching: bool = False  # being moved to another role: in no pool meanwhile
     reports_epoch: bool = False  # a tidal worker: requests carry X-Tidal-Expected-Mode
+    boot_id: Optional[str] = None  # a tidal worker's /server_info `boot_id`: a new one is a restart
     tp_size: Optional[int] = None  # from /server_info; None: unknown (pairs with anything)
 
     def __post_init__(self) -> None:
@@ -285,6 +286,13 @@ class HealthChecker:
             w.tp_size = info["tp_size"]
         bport = info.get("disaggregation_bootstrap_port")
         old, known = w.mode, w.reports_epoch  # known: its mode was read from it before (not just declared)
+        boot = info.get("boot_id") if isinstance(info.get("boot_id"), str) else None
+        if boot is not None and w.boot_id is not None and boot != w.boot_id:
+            # a restarted server counts its epochs from 0 again: its first older epoch is no stale answer
+            logger.warning("worker %s restarted (a new boot id); it is in %s mode, epoch %s, as it says", w.url,
+                           info["disaggregation_mode"], epoch)
+            w.epoch = None
+        w.boot_id = boot or w.boot_id
         if self.registry.set_mode(w.url, info["disaggregation_mode"], epoch,
                                   bport if isinstance(bport, int) else None):
             w.reports_epoch = known or epoch is not None

@@ -65,6 +65,8 @@ class ServerContext:
     tm: TokenizerManager
     metrics: Metrics
     started_at: float = dataclasses.field(default_factory=time.time)
+    # this process's own: a router that sees it change knows the server restarted, its epochs counting from 0 again
+    boot_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex)
 
 
 def _ctx(request: Request) -> ServerContext:
@@ -302,6 +304,7 @@ def _add_info_routes(app: FastAPI) -> None:
             "version": tidal.__version__,
             "disaggregation_mode": stats.disaggregation_mode if stats else ctx.args.disaggregation_mode,
             "epoch": stats.epoch if stats else 0,
+            "boot_id": ctx.boot_id,
             "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
             "torch_threads": ctx.tm.ready.torch_threads if ctx.tm.ready else None,
             "cpu_affinity": ctx.tm.ready.cpu_affinity if ctx.tm.ready else None,
