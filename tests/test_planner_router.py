@@ -251,6 +251,9 @@ def test_a_hand_move_starts_the_planners_cooldowns_and_drops_its_target(workers,
         assert resp.status_code == 500 and planner.state.workers[workers["d1"].url].failures == 1
         status = httpx.get(r.url + "/planner/status").json()
         metrics = httpx.get(r.url + "/metrics").text
+        # removed, the worker's backoff goes with it: added again (a new server perhaps), it starts afresh
+        assert httpx.post(r.url + "/remove_worker", params={"url": workers["d1"].url}).status_code == 200
+        assert workers["d1"].url not in planner.state.workers
     workers["d1"].fail_switch = False
     # both moves are in the status's history, newest first, and in the metrics (none is the planner's own)
     hand = [(d["url"], d["src"], d["dst"], d["outcome"][:7]) for d in status["decisions"] if d["kind"] == "hand"]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -390,20 +391,23 @@ def movable(m):
         w.role, w.epoch = {"p": "prefill", "d": "decode", "n": "null"}[w.name[0]], 0
 
 
-def test_a_hand_move_that_leaves_nothing_to_route_to_is_refused_unless_forced(movable):
+def test_a_hand_move_that_leaves_nothing_to_route_to_is_refused_unless_forced(movable, caplog):
     """p1 prefill, d1 decode: d1 -> prefill would leave two prefill workers and nothing that decodes (409, the
-    worker untouched); forced, it moves. p1 -> decode leaves two decode workers, which prefill locally: allowed,
-    unless disaggregation is enforced."""
+    worker untouched, the refusal logged); forced, it moves, and the planner's record says it was forced. p1 ->
+    decode leaves two decode workers, which prefill locally: allowed, unless disaggregation is enforced."""
     m = movable
     before = {name: w.switches for name, w in m.items()}
+    caplog.set_level(logging.INFO, logger="tidal.router.orchestrate")
     with pd(m) as r:
         resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill"})
         assert resp.status_code == 409, resp.text
         message = resp.json()["error"]["message"]
         assert "0 null, 2 prefill, 0 decode" in message and '"force": true' in message
         assert m["d1"].switches == before["d1"] and [w.url for w in r.state.registry.pool(DECODE)] == [m["d1"].url]
+        assert f"a move by hand of {m['d1'].url} to prefill refused (409): moving" in caplog.text
         resp = r.post("/admin/set_worker_role", {"url": m["d1"].url, "mode": "prefill", "force": True})
         assert resp.status_code == 200, resp.text
+        assert r.state.planner.decisions[-1].reason.endswith(', "force": true)')
         assert m["d1"].switch_body == {"mode": "prefill", "drain": True, "timeout_s": r.cfg.switch_timeout_s,
                                        "handover": True}
         assert m["d1"].switches == before["d1"] + 1 and r.state.registry.pool(DECODE) == []

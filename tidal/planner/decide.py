@@ -511,9 +511,9 @@ def decide(now: float, cfg: PlannerConfig, state: PlannerState, loads: list[Work
     predictor = make_predictor(cfg, cost, pools)
     current = predictor.predict(heading, load, traffic)
     if current is None:
-        return _hold(now, "no_observations", "no --planner-profile, and the router has not yet timed a request "
-                     "(a stream by its tokens, a whole answer by the server's meta_info or Server-Timing) on "
-                     "either path")
+        return _hold(now, "no_observations", "no --planner-profile, and the router has not yet timed both the TTFT "
+                     "and the TPOT of requests on either path (a stream by its tokens, a whole answer by the "
+                     "server's meta_info or Server-Timing; a TPOT needs answers of 2 tokens or more)")
     cands = candidates(now, cfg, state, loads, predictor, load, traffic, queued_answers=queued_answers)
     if traffic.arrival_rate <= 0:
         return _hold(now, "no_arrivals", "no arrivals in the window", current, cands)

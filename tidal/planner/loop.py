@@ -223,14 +223,16 @@ class PlannerLoop:
         """Workers per pool once every move in flight (the planner's and by hand) has landed."""
         return heading_for(pool_counts(pool_loads(self.st.registry)), self.state)
 
-    def hand_move_started(self, url: str, src: str, dst: str) -> None:
+    def hand_move_started(self, url: str, src: str, dst: str, forced: bool = False) -> None:
         """A move through /admin/set_worker_role: in flight like the planner's own, with the same cooldowns
         (reversal, worker) from its start and end; the planner's target, set before it, is dropped. It shows among
         the status's decisions as kind "hand" and counts in `tidal_router:hand_moves_total` once it ends."""
         self.state.started(self.clock(), url, src, dst)
         self.state.committed = None
-        self._hand[url] = self._hand_record(url, src, dst, "moved by hand (POST /admin/set_worker_role)")
-        logger.info("planner: a move by hand %s %s->%s; its cooldowns start now", url, src, dst)
+        how = "moved by hand (POST /admin/set_worker_role" + (', "force": true)' if forced else ")")
+        self._hand[url] = self._hand_record(url, src, dst, how)
+        logger.info("planner: a move by hand %s %s->%s%s; its cooldowns start now", url, src, dst,
+                    " (forced)" if forced else "")
 
     def hand_move_finished(self, url: str, status: int, body: Any) -> None:
         ok = status == 200
@@ -241,6 +243,11 @@ class PlannerLoop:
             self.st.metrics.hand_moves.labels(d.src, d.dst, "ok" if ok else "failed", "router").inc()
             (logger.info if ok else logger.warning)("planner: move by hand %s %s->%s %s%s", url, d.src, d.dst,
                                                     d.outcome, _took(d))
+
+    def forget_worker(self, url: str) -> None:
+        """A worker removed from the router: its cooldown and backoff go with it (one added again at that URL,
+        a new server perhaps, starts afresh); a move of it still in flight ends as it would."""
+        self.state.workers.pop(url, None)
 
     def switched_behind(self, url: str, src: str, dst: str) -> None:
         """A worker found in another mode than the router knew, switched on its own route: a move by hand,

@@ -139,6 +139,7 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics, st.planner.window)
     await st.checker.check_all()
     st.checker.on_mode_change = st.planner.switched_behind  # from now on: the first check learned the modes
+    st.registry.on_remove(st.planner.forget_worker)
     st.checker.start()
     st.planner.start()
     try:

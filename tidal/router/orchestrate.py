@@ -55,11 +55,13 @@ class RoleMover:
             # checked again after that wait: a move of the worker may have started meanwhile (two asked at once)
             refusal = refusal or self._refusal(self.st.registry.get(url), url, mode) or self._no_route_after(w, mode)
         if refusal is not None:
+            logger.info("a move by hand of %s to %s refused (%d): %s", url, mode, refusal[0],
+                        refusal[1]["error"]["message"])
             return _json(refusal[1], refusal[0])
         # to its own mode no move: the worker is asked (it says so, or mends a mode set behind the router's back)
         moving = mode != w.mode
         if moving:
-            self.st.planner.hand_move_started(url, w.mode, mode)
+            self.st.planner.hand_move_started(url, w.mode, mode, force)
         status, body = 0, {}
         try:
             status, body = await self.move_result(url, mode)
