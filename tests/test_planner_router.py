@@ -98,11 +98,12 @@ def test_a_pool_below_the_floor_as_the_planner_starts_is_warned_of(workers, tmp_
 
 def test_advise_reports_the_move_it_would_make_and_moves_nothing(workers, tmp_path):
     """--planner advise: the same decisions as sla, each move reported (kind "advise": status, metrics, log)
-    and not started, round after round."""
+    and not started, round after round (one entry of the status's history, counting the repeats)."""
     workers["p1"].load = dict(STARVED)
     with router(workers, tmp_path, mode="advise") as r:
         send_traffic(r)
-        wait_for(lambda: sum(d.kind == "advise" for d in r.state.planner.decisions) >= 2, 10, "two advised moves")
+        wait_for(lambda: any(d.kind == "advise" and d.repeats >= 1 for d in r.state.planner.decisions), 10,
+                 "the move advised twice")
         status = httpx.get(r.url + "/planner/status").json()
         metrics = httpx.get(r.url + "/metrics").text
         assert len(r.state.registry.pool("prefill")) == 1 and len(r.state.registry.pool("decode")) == 2
@@ -327,6 +328,35 @@ def test_repeated_advice_is_logged_once_at_info(caplog):
         loop._record(d, Traffic())
     levels = [r.levelname for r in caplog.records if r.getMessage().startswith("planner: advise")]
     assert levels == ["INFO", "DEBUG", "DEBUG", "INFO"]
+
+
+def test_the_status_history_keeps_one_entry_for_a_hold_repeated_on_the_same_pools():
+    """An idle router holds every interval: those holds are one entry of the history, the newest, counting the
+    rounds before it, so that 50 of them do not push the moves out. A move by hand between two holds, or other
+    pools, starts a new entry."""
+    from types import SimpleNamespace
+
+    from tidal.planner.loop import PlannerLoop
+    from tidal.planner.schema import Decision, Traffic, WorkerLoad
+    from tidal.router.metrics import RouterMetrics
+
+    loop = PlannerLoop(PlannerConfig(mode="sla"), SimpleNamespace(metrics=RouterMetrics()), clock=lambda: 0.0)
+    loop.last_loads = [WorkerLoad(url="http://p", mode="prefill"), WorkerLoad(url="http://d", mode="decode")]
+
+    def hold(at: float) -> None:
+        d = Decision(at=at, kind="hold", why="no_arrivals", reason="no arrivals in the window")
+        loop._keep(d, loop._record(d, Traffic()))
+
+    for at in range(5):
+        hold(float(at))
+    assert [(x.kind, x.at, x.repeats) for x in loop.decisions] == [("hold", 4.0, 4)]
+    loop._hand_record("http://d", "decode", "prefill", "moved by hand")
+    hold(5.0)
+    loop.last_loads = [WorkerLoad(url="http://p", mode="prefill"), WorkerLoad(url="http://d", mode="prefill")]
+    hold(6.0)
+    hold(7.0)
+    assert [(x.kind, x.at, x.repeats) for x in loop.decisions] == [("hold", 4.0, 4), ("hand", 0.0, 0),
+                                                                     ("hold", 5.0, 0), ("hold", 7.0, 1)]
 
 
 def test_the_router_warns_once_where_the_prompts_outrun_the_profile(caplog):

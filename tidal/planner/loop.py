@@ -153,8 +153,7 @@ class PlannerLoop:
         while True:
             d = await self._decide(now, traffic)
             self.last = d
-            self.decisions.append(d)
-            self._record(d, traffic)
+            self._keep(d, repeated=self._record(d, traffic))
             if d.kind != "move":
                 return d
             problem = self._problem_now(d)
@@ -267,7 +266,19 @@ class PlannerLoop:
         self.decisions.append(d)
         return d
 
-    def _record(self, d: Decision, traffic: Any) -> None:
+    def _keep(self, d: Decision, repeated: bool) -> None:
+        """Into the status's history. A hold or advice that repeats the newest entry takes its place, counting the
+        rounds (an idle router holds every interval, and 50 such holds would push every move out of the history)."""
+        last = self.decisions[-1] if self.decisions else None
+        if repeated and last is not None and (last.kind, last.why) == (d.kind, d.why):
+            d.repeats = last.repeats + 1
+            self.decisions[-1] = d
+        else:
+            self.decisions.append(d)
+
+    def _record(self, d: Decision, traffic: Any) -> bool:
+        """Metrics and the log line; True when the decision repeats the last one logged (a hold for the same cause,
+        or the same advice, on the same pools)."""
         m = self.st.metrics
         m.planner_decisions.labels(d.kind).inc()
         _set_latency_gauges(m.planner_predicted_ttft, m.planner_predicted_tpot, d.current)
@@ -278,10 +289,12 @@ class PlannerLoop:
         # an idle router would repeat it every interval, an advising one every interval until someone moves
         same = ((d.kind, d.why, d.url, d.dst, tuple(sorted(pools.items())))
                 if d.kind in ("hold", "advise") else None)
-        log = logger.debug if same is not None and same == self._last_repeat else logger.info
+        repeated = same is not None and same == self._last_repeat
         self._last_repeat = same
-        log("planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason, pools,
+        (logger.debug if repeated else logger.info)(
+            "planner: %s (%s); pools %s; rate %.2f/s in %.0f out %.0f; predicted %s", d.kind, d.reason, pools,
             traffic.arrival_rate, traffic.mean_input_tokens, traffic.mean_output_tokens, _brief(pred))
+        return repeated
 
     # ------------------------------------------------------------ status
 

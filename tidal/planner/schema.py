@@ -132,6 +132,9 @@ class Decision(msgspec.Struct, kw_only=True):
     timings_ms: dict[str, float] = {}
     worker_message: str = ""
     answers: Optional[float] = None  # a move's: the mean answer of the traffic it was decided on
+    # a hold or advice: the rounds in a row before it that decided the same on the same pools (the status's history
+    # keeps the newest of them, `at` its time)
+    repeats: int = 0
 
 
 class PlannerConfig(msgspec.Struct, kw_only=True):
