@@ -21,7 +21,7 @@ import msgspec
 from tidal.planner.decide import PlannerState, decide, floor_warning, heading_for, layout_problem, pool_counts
 from tidal.planner.schema import NULL_PATH, PD_PATH, Decision, PlannerConfig, Prediction, Traffic, WorkerLoad
 from tidal.planner.window import TrafficWindow
-from tidal.router.workers import MODES, Worker, WorkerRegistry
+from tidal.router.workers import HANDOVER_KEY, MODES, Worker, WorkerRegistry
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def worker_load(w: Worker) -> WorkerLoad:
                       waiting_prompt_tokens=load.get("num_waiting_prompt_tokens", -1),
                       prompts_received=load.get("prompts_received_total", -1),
                       prompt_tokens_received=load.get("prompt_tokens_received_total", -1),
-                      handing_over_from=str(load.get("handing_over_from") or ""))
+                      handing_over_from=str(load.get(HANDOVER_KEY) or ""))
 
 
 def pool_loads(registry: WorkerRegistry) -> list[WorkerLoad]:

@@ -22,7 +22,9 @@ import aiohttp
 import msgspec
 from fastapi import FastAPI, Request, Response
 
-from tidal.router.workers import DECODE, HANDOVER_KEY, MODES, NULL, PREFILL, Worker
+from tidal.planner.decide import handing_over
+from tidal.planner.loop import worker_load
+from tidal.router.workers import DECODE, MODES, NULL, PREFILL, Worker
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +102,10 @@ class RoleMover:
         if mode == w.mode:
             return None
         await self.st.checker.refresh_load(w)
-        origin = (w.load or {}).get(HANDOVER_KEY) or ""
-        if not origin or mode == origin:
+        load = worker_load(w)
+        if not handing_over(load, mode):  # the planner's rule
             return None
+        origin = load.handing_over_from
         return _error(f"worker {w.url} is handing over: it serves as {w.mode} while it finishes its {origin} "
                       f"requests. Until they end it can move back to {origin} at once, but a move to {mode} would "
                       f"wait for them out of every pool; try again later, or send \"force\": true to move it anyway",
