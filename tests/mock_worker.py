@@ -65,6 +65,7 @@ class MockWorker:
         self.requests: list[tuple[str, dict]] = []
         self.fail_next = 0
         self.fail_status = 503
+        self.fail_headers: Optional[dict] = None  # headers of those failed answers (a Retry-After)
         self.reject = False
         self.hang_s = 0.0
         self.healthy = True
@@ -114,6 +115,7 @@ class MockWorker:
     def reset(self) -> None:
         self.requests.clear()
         self.fail_next, self.reject, self.hang_s, self.healthy = 0, False, 0.0, True
+        self.fail_status, self.fail_headers = 503, None
         self.num_chunks, self.chunk_delay_s, self.cancelled = 3, 0.0, 0
         self.openai_answers, self.server_timing = False, None
         self.fail_switch, self.switch_refusal = False, None
@@ -180,11 +182,11 @@ class MockWorker:
             await asyncio.sleep(0.005)
         return False
 
-    def _error(self, body: dict, message: str, status: int) -> Response:
+    def _error(self, body: dict, message: str, status: int, headers: Optional[dict] = None) -> Response:
         if self.role == "prefill":
             for r in _rooms(body):
                 ROOMS[r] = "failed"
-        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status)
+        return JSONResponse({"error": {"message": message, "code": status}}, status_code=status, headers=headers)
 
     async def handle(self, path: str, request: Request) -> Response:
         body = json.loads(await request.body())
@@ -195,7 +197,7 @@ class MockWorker:
             return self._error(body, "bad request from mock", 400)
         if self.fail_next > 0:
             self.fail_next -= 1
-            return self._error(body, f"{self.name} overloaded", self.fail_status)
+            return self._error(body, f"{self.name} overloaded", self.fail_status, self.fail_headers)
         if self.role == "prefill":
             ROOMS.update((r, "ok") for r in _rooms(body))
         elif _rooms(body) and not await self._wait_kv(_rooms(body)):

@@ -161,6 +161,33 @@ def test_decode_without_prefill_partner_times_out_cleanly(pd_pair, monkeypatch):
         d2.shutdown()
 
 
+def test_a_request_a_full_decode_pool_never_takes_fails_with_503_at_the_deadline_on_both_sides(monkeypatch):
+    """Decode OOM: the prealloc queue never finds room for the prompt. Both sides end the request by the
+    bootstrap deadline (the decode one with a 503: a full server, which the router retries elsewhere and
+    never counts against the worker's circuit breaker), free everything, and the next request is served."""
+    monkeypatch.setenv("TIDAL_DISAGG_BOOTSTRAP_TIMEOUT", "1")
+    port = free_port()
+    p = make("prefill", "tcp", port, 1)
+    d = make("decode", "tcp", port, 1)
+    preallocate = d.role._preallocate
+    d.role._preallocate = lambda req: False  # the pool stays full (a prompt larger than the pool is a 400 at once)
+    try:
+        send(p, d, port, "stuck", list(range(1, 41)), 4, room=11)
+        started = time.time()
+        pout, dout = run_pair(p, d, timeout=20)
+        assert time.time() - started < 5
+        fin = dout["stuck"][1]
+        assert fin.type == "abort" and fin.status_code == 503 and "no KV room" in fin.message, fin
+        assert pout["stuck"][1].type == "abort"
+        d.role._preallocate = preallocate
+        send(p, d, port, "small", [3, 4, 5], 4, room=12)
+        _, dout = run_pair(p, d)
+        assert dout["small"][0] == reference_generate([3, 4, 5], 4)
+    finally:
+        d.shutdown()
+        p.shutdown()
+
+
 def test_a_loop_waiting_on_a_hand_off_polls_briefly_not_the_idle_wait():
     """Hand-off progress happens on the transfer thread and does not wake the scheduler's poller:
     while a request waits on it, an iteration that ran nothing must look again within

@@ -13,7 +13,7 @@ import pytest
 
 from mock_worker import MockWorker
 from test_planner import PROFILE
-from test_router import RouterServer, wait_for
+from router_server import RouterServer, wait_for
 from tidal.planner.schema import PlannerConfig
 
 pytestmark = pytest.mark.timeout(60)

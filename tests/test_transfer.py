@@ -316,6 +316,20 @@ def test_bootstrap_timeouts(pairs, monkeypatch):
     assert pair.prefill.stats()["failed_bootstraps"] == 1 and pair.decode.stats()["failed_bootstraps"] == 1
 
 
+def test_a_room_decode_never_preallocates_fails_on_both_sides_at_the_bootstrap_deadline(pairs, monkeypatch):
+    """A decode server whose KV pool stays full never inits the room: before, the request sat in its prealloc
+    queue for good (no init, so no waiting timeout) while its prefill had long given up."""
+    monkeypatch.setenv("TIDAL_DISAGG_BOOTSTRAP_TIMEOUT", "1.0")
+    pair = pairs("tcp", 4, config=None)
+    (r,) = make_reqs(pair, 1, random.Random(4))
+    bootstrapped(pair, r)
+    started = time.monotonic()
+    assert wait_for(lambda: both_done(r), 5)
+    assert r.receiver.poll() == r.sender.poll() == KVPoll.Failed
+    assert "no KV room" in str(r.receiver.failure_exception()), r.receiver.failure_exception()
+    assert time.monotonic() - started < 2.0
+
+
 def test_waiting_timeout(pairs, monkeypatch):
     monkeypatch.setenv("TIDAL_DISAGG_WAITING_TIMEOUT", "0.3")
     pair = pairs("tcp", 4, config=None)

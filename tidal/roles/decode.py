@@ -73,12 +73,15 @@ class DecodeRole:
         self.s.priority.order(self.prealloc_queue)  # memory goes to the higher priority first
         polls = poll_and_all_reduce([r.pd.peer for r in self.prealloc_queue], self.s.tp)  # agreed by every TP rank
         for req, poll in zip(self.prealloc_queue, polls):
-            if poll == KVPoll.Failed:
+            if poll == KVPoll.Failed and req.pd.extra.get("bootstrapped"):  # waited for KV room: a full server's 503
+                fail_request(self.s, req, failure_reason(req.pd.peer, "KV not pre-allocated"), status_code=503)
+            elif poll == KVPoll.Failed:
                 fail_request(self.s, req, failure_reason(req.pd.peer, "KV transfer bootstrap failed"))
             elif poll >= KVPoll.WaitingForInput and not blocked and self._preallocate(req):
                 self.transfer_queue.append(req)
             else:
                 blocked = blocked or poll >= KVPoll.WaitingForInput  # keep arrival order
+                req.pd.extra["bootstrapped"] = req.pd.extra.get("bootstrapped") or poll >= KVPoll.WaitingForInput
                 keep.append(req)
         self.prealloc_queue = keep
 

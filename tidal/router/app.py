@@ -34,10 +34,11 @@ from tidal.config import bearer_headers, hide_model_paths, mask_secrets
 from tidal.planner.loop import PlannerLoop, load_cost_model
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
-from tidal.router.legs import json_error
+from tidal.router.legs import RelayResponse, json_error
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
 from tidal.router.orchestrate import RoleMover, add_orchestration_routes
+from tidal.router.resilience import AdmissionGate, AdmissionRefused
 from tidal.server.auth import AuthMiddleware, Guard, is_authenticated
 from tidal.server.protocol import internal_error_message
 from tidal.router.workers import (
@@ -78,6 +79,7 @@ class RouterState:
     dispatcher: Optional[Dispatcher] = None
     mover: Optional[RoleMover] = None
     planner: Optional[PlannerLoop] = None
+    gate: Optional[AdmissionGate] = None
     started_at: float = dataclasses.field(default_factory=time.time)
 
     def worker_headers(self) -> dict:
@@ -115,7 +117,8 @@ def build_state(cfg: RouterConfig) -> RouterState:
                 DECODE: make_policy(cfg.decode_policy or cfg.policy, **knobs),
                 NULL: make_policy(cfg.policy, **knobs)}
     registry.on_remove(lambda url: [p.forget(url) for p in policies.values()])
-    st = RouterState(cfg, registry, policies, RouterMetrics())
+    st = RouterState(cfg, registry, policies, RouterMetrics(),
+                     gate=AdmissionGate(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_s))
     st.mover = RoleMover(st)
     st.planner = PlannerLoop(cfg.planner, st, load_cost_model(cfg.planner_profile), cfg.planner_profile)
     return st
@@ -189,6 +192,33 @@ def parse_object(raw: bytes) -> dict:
     return body
 
 
+async def admitted(st: RouterState, route: str, work: Any) -> Response:
+    """Run `work` (a coroutine giving the answer) inside an admission slot, held until the answer is sent (a
+    relayed stream: until it ends); a refusal is the gate's 429 or 408 with Retry-After."""
+    try:
+        ticket = await st.gate.enter()
+    except AdmissionRefused as e:
+        work.close()
+        st.metrics.admission_refused.labels(str(e.status)).inc()
+        st.metrics.requests.labels(route, str(e.status)).inc()
+        resp = json_error(str(e), e.status)
+        resp.headers["Retry-After"] = str(e.retry_after_s)
+        return resp
+    except BaseException:
+        work.close()
+        raise
+    try:
+        resp = await work
+    except BaseException:
+        st.gate.leave(ticket)
+        raise
+    if isinstance(resp, RelayResponse):
+        resp.finalizers.append(lambda: st.gate.leave(ticket))
+    else:
+        st.gate.leave(ticket)
+    return resp
+
+
 def _make_generate(route: str) -> Any:
     async def generate(request: Request) -> Response:
         st = _st(request)
@@ -197,7 +227,8 @@ def _make_generate(route: str) -> Any:
         except ValueError as e:
             st.metrics.requests.labels(route, "400").inc()
             return json_error(str(e), 400)
-        work = asyncio.ensure_future(st.dispatcher.dispatch(route, body, request.headers.get("authorization")))
+        work = asyncio.ensure_future(admitted(st, route, st.dispatcher.dispatch(
+            route, body, request.headers.get("authorization"))))
         gone = asyncio.ensure_future(_wait_disconnect(request))
         done: set = set()
         try:
@@ -209,6 +240,8 @@ def _make_generate(route: str) -> Any:
             await asyncio.gather(gone, return_exceptions=True)
         if work not in done:  # the client left: cancelling `work` cancels the upstream calls
             await asyncio.gather(work, return_exceptions=True)
+            if work.done() and not work.cancelled() and isinstance(work.result(), RelayResponse):
+                work.result().discard()  # it answered as the client left: never sent, so released here
             st.metrics.requests.labels(route, "499").inc()
             return Response(status_code=499)
         return work.result()
@@ -331,7 +364,10 @@ def _embedding_forwarder(path: str) -> Any:
     starting) is skipped and the next one tried, up to --max-retries more times."""
     async def forward(request: Request) -> Response:
         st = _st(request)
-        body, tried = await request.body(), set()
+        return await admitted(st, path, embed(st, await request.body()))
+
+    async def embed(st: RouterState, body: bytes) -> Response:
+        tried: set = set()
         headers = {**st.worker_headers(), "Content-Type": "application/json"}
         status, payload, last_error = 503, None, ""
         for _ in range(1 + st.cfg.max_retries):
@@ -401,7 +437,15 @@ async def _post_all(st: RouterState, path: str, body: Optional[bytes] = None) ->
 def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/workers")
     async def workers(request: Request) -> Response:
-        return _json({"workers": [w.to_dict() for w in _st(request).registry.all()]})
+        """Every worker: health, role, load, in flight, and its circuit breaker's state; the admission gate."""
+        st = _st(request)
+        breakers = st.dispatcher.breakers
+        gate = st.gate
+        return _json({"workers": [{**w.to_dict(), "circuit_breaker": breakers.state(w.url)}
+                                  for w in st.registry.all()],
+                      "admission": {"max_concurrent_requests": gate.max_concurrent, "active": gate.active,
+                                    "queued": gate.queued, "queue_size": gate.queue_size,
+                                    "refused": {str(k): v for k, v in gate.refused.items()}}})
 
     @app.post("/add_worker")
     async def add_worker(request: Request, url: str = "", role: str = NULL,
@@ -469,4 +513,6 @@ def _add_admin_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
         st = _st(request)
+        st.metrics.admission_active.set(st.gate.active)
+        st.metrics.admission_queued.set(st.gate.queued)
         return Response(st.metrics.render(st.registry), media_type=CONTENT_TYPE)

@@ -58,9 +58,7 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--health-failure-threshold", type=int, default=d.health_failure_threshold,
                    help="consecutive failed checks or connection errors that make a worker unhealthy")
     s.add_argument("--request-timeout-secs", type=float, default=d.request_timeout_s, help="upstream read timeout per request")
-    s.add_argument("--max-retries", type=int, default=d.max_retries, help="retries on another worker (and a new room for PD) after a failure")
-    s.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000, help="first retry delay; doubles per retry")
-    s.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000, help="cap of the retry delay")
+    add_resilience_args(parser, d)
     s.add_argument("--api-key", default=None,
                    help="Bearer key clients must send on every route but /health, /health_generate, /metrics "
                         "and the admin ones; also sent to the workers (default: none; then the client's "
@@ -78,6 +76,40 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                         f"opened or after its previous response (slowloris) (default: {DEFAULT_READ_TIMEOUT_S:g})")
     s.add_argument("--log-level", default=d.log_level, choices=("debug", "info", "warning", "error", "critical"), help="logging level")
     add_planner_args(parser)
+
+
+def add_resilience_args(parser: argparse.ArgumentParser, d: RouterConfig) -> None:
+    """Retries, circuit breakers and admission, with sgl-model-gateway's flag names."""
+    r = parser.add_argument_group("retries")
+    r.add_argument("--max-retries", "--retry-max-retries", dest="max_retries", type=int, default=d.max_retries,
+                   help="retries on another worker (and a new room for PD) after a 408, 429, 5xx or connection error")
+    r.add_argument("--disable-retries", action="store_true", help="no retries (--max-retries 0)")
+    r.add_argument("--retry-initial-backoff-ms", type=float, default=d.retry_initial_backoff_s * 1000,
+                   help="first retry delay")
+    r.add_argument("--retry-max-backoff-ms", type=float, default=d.retry_max_backoff_s * 1000,
+                   help="cap of the retry delay (and of a worker's Retry-After the router honours)")
+    r.add_argument("--retry-backoff-multiplier", type=float, default=d.retry_backoff_multiplier,
+                   help="each retry's delay is the previous one's times this")
+    r.add_argument("--retry-jitter-factor", type=float, default=d.retry_jitter_factor,
+                   help="each delay is spread at random by +- this fraction of itself")
+    c = parser.add_argument_group("circuit breaker (per worker)")
+    c.add_argument("--disable-circuit-breaker", action="store_true", help="never stop routing to a failing worker")
+    c.add_argument("--cb-failure-threshold", type=int, default=d.cb_failure_threshold,
+                   help="consecutive failed requests (connection errors, timeouts, 5xx but 503) that open the circuit")
+    c.add_argument("--cb-success-threshold", type=int, default=d.cb_success_threshold,
+                   help="consecutive successful probes that close it again")
+    c.add_argument("--cb-timeout-duration-secs", type=float, default=d.cb_timeout_s,
+                   help="how long an open circuit takes no request before one probe goes (half-open)")
+    c.add_argument("--cb-window-duration-secs", type=float, default=d.cb_window_s,
+                   help="a failure streak older than this starts over")
+    a = parser.add_argument_group("admission")
+    a.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                   help="requests the router serves at once (a stream counts until it ends); more wait in a "
+                        "queue (default: -1, no limit)")
+    a.add_argument("--queue-size", type=int, default=d.queue_size,
+                   help="requests that may wait for a slot; one more is a 429 with Retry-After")
+    a.add_argument("--queue-timeout-secs", type=float, default=d.queue_timeout_s,
+                   help="how long a request waits for a slot before a 408 with Retry-After")
 
 
 def _prefill_entries(values: list[list[str]]) -> list[tuple[str, Optional[int]]]:
@@ -98,8 +130,14 @@ def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
         decode_policy=ns.decode_policy, host=ns.host, port=ns.port,
         health_check_interval_s=ns.health_check_interval_secs, health_check_timeout_s=ns.health_check_timeout_secs,
         health_failure_threshold=ns.health_failure_threshold, request_timeout_s=ns.request_timeout_secs,
-        max_retries=ns.max_retries, retry_initial_backoff_s=ns.retry_initial_backoff_ms / 1000,
-        retry_max_backoff_s=ns.retry_max_backoff_ms / 1000, enforce_disaggregation=ns.enforce_disaggregation,
+        max_retries=0 if ns.disable_retries else ns.max_retries,
+        retry_initial_backoff_s=ns.retry_initial_backoff_ms / 1000, retry_max_backoff_s=ns.retry_max_backoff_ms / 1000,
+        retry_backoff_multiplier=ns.retry_backoff_multiplier, retry_jitter_factor=ns.retry_jitter_factor,
+        disable_circuit_breaker=ns.disable_circuit_breaker, cb_failure_threshold=ns.cb_failure_threshold,
+        cb_success_threshold=ns.cb_success_threshold, cb_timeout_s=ns.cb_timeout_duration_secs,
+        cb_window_s=ns.cb_window_duration_secs, max_concurrent_requests=ns.max_concurrent_requests,
+        queue_size=ns.queue_size, queue_timeout_s=ns.queue_timeout_secs,
+        enforce_disaggregation=ns.enforce_disaggregation,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
         balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
         admin_api_key=ns.admin_api_key,

@@ -7,6 +7,7 @@ from typing import Optional
 
 from tidal.config import masked_repr
 from tidal.planner.schema import PlannerConfig
+from tidal.router.resilience import BreakerConfig, RetryPolicy
 
 
 @dataclasses.dataclass
@@ -27,6 +28,18 @@ class RouterConfig:
     max_retries: int = 3
     retry_initial_backoff_s: float = 0.05
     retry_max_backoff_s: float = 1.0
+    retry_backoff_multiplier: float = 2.0
+    retry_jitter_factor: float = 0.2  # each delay spread by +-20% of itself
+    # circuit breaker per worker (sgl-model-gateway's --cb-* flags and defaults)
+    disable_circuit_breaker: bool = False
+    cb_failure_threshold: int = 5
+    cb_success_threshold: int = 2
+    cb_timeout_s: float = 30.0
+    cb_window_s: float = 60.0
+    # admission: at most this many requests inside the router (<= 0: no limit), a queue of queue_size more
+    max_concurrent_requests: int = -1
+    queue_size: int = 100
+    queue_timeout_s: float = 60.0
     enforce_disaggregation: bool = False
     cache_threshold: float = 0.5
     balance_abs_threshold: float = 32
@@ -49,3 +62,18 @@ class RouterConfig:
             raise ValueError("--max-retries must be >= 0")
         if self.health_check_interval_s <= 0 or self.request_timeout_s <= 0:
             raise ValueError("intervals and timeouts must be positive")
+        if self.retry_backoff_multiplier < 1 or not 0 <= self.retry_jitter_factor <= 1:
+            raise ValueError("--retry-backoff-multiplier must be >= 1 and --retry-jitter-factor in [0, 1]")
+        if self.retry_initial_backoff_s < 0 or self.retry_max_backoff_s < 0:
+            raise ValueError("retry backoffs must be >= 0")
+        if self.queue_size < 0 or self.queue_timeout_s <= 0:
+            raise ValueError("--queue-size must be >= 0 and --queue-timeout-secs > 0")
+        self.breaker_config()  # raises on a bad --cb-* value
+
+    def retry_policy(self) -> RetryPolicy:
+        return RetryPolicy(self.retry_initial_backoff_s, self.retry_max_backoff_s, self.retry_backoff_multiplier,
+                           self.retry_jitter_factor)
+
+    def breaker_config(self) -> BreakerConfig:
+        return BreakerConfig(not self.disable_circuit_breaker, self.cb_failure_threshold, self.cb_success_threshold,
+                             self.cb_timeout_s, self.cb_window_s)

@@ -26,6 +26,7 @@ from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
 from tidal.router.policies import Policy, plan_route
+from tidal.router.resilience import NEUTRAL, CircuitBreakers, RetryPolicy
 from tidal.router.workers import DECODE, MODES, PREFILL, Worker, WorkerRegistry
 from tidal.server_timing import HEADER as SERVER_TIMING
 
@@ -189,7 +190,18 @@ class Dispatcher:
         self.policies = policies  # per pool: PREFILL, DECODE, NULL
         self.session = session
         self.metrics = metrics
+        self.retry = cfg.retry_policy()
+        self._rng = random.Random()
+        self.breakers = CircuitBreakers(cfg.breaker_config(), on_change=self._breaker_changed)
+        registry.on_remove(self.breakers.forget)
         self._background: set[asyncio.Task] = set()
+
+    def _breaker_changed(self, url: str, state: str) -> None:
+        w = self.registry.get(url)
+        role = w.mode if w is not None else ""
+        self.metrics.breaker_transitions.labels(url, role, state).inc()
+        log = logger.warning if state == "open" else logger.info
+        log("worker %s (%s): circuit breaker %s", url, role, state.replace("_", "-"))
 
     async def aclose(self) -> None:
         for t in list(self._background):
@@ -200,12 +212,17 @@ class Dispatcher:
 
     def plan(self, text: str, tried: set[str]) -> Optional[tuple[str, Worker, Optional[Worker]]]:
         """("pd", prefill, decode) or ("whole", worker, None); None when nothing can serve."""
-        return plan_route(self.registry, self.policies, text, tried, self.cfg.enforce_disaggregation)
+        return plan_route(self.registry, self.policies, text, tried, self.cfg.enforce_disaggregation,
+                          admit=lambda w: self.breakers.allows(w.url))
 
     def _unavailable(self) -> Response:
         if self.cfg.enforce_disaggregation and not self.registry.has_pd_path():
             return json_error("no healthy prefill/decode pair (disaggregation is enforced)", 503)
         pools = {mode: len(self.registry.pool(mode)) for mode in MODES}
+        broken = self.breakers.open_count([w.url for mode in MODES for w in self.registry.pool(mode)])
+        if broken:
+            return json_error(f"no usable path: {broken} of the healthy workers have an open circuit breaker "
+                              f"(GET /workers says which and when they are probed again)", 503)
         if any(pools.values()):  # healthy workers, none of them a path (e.g. every one a prefill server)
             layout = ", ".join(f"{n} {mode}" for mode, n in pools.items())
             return json_error(f"no usable path among the healthy workers ({layout}): a request needs a prefill and a "
@@ -214,8 +231,8 @@ class Dispatcher:
 
     # ------------------------------------------------------------ the retry loop
 
-    def _backoff(self, attempt: int) -> float:
-        return min(self.cfg.retry_max_backoff_s, self.cfg.retry_initial_backoff_s * 2 ** (attempt - 1))
+    def _backoff(self, attempt: int, last: Optional["Failure"]) -> float:
+        return self.retry.delay_s(attempt, self._rng, last.leg.retry_after_s() if last is not None else None)
 
     async def dispatch(self, route: str, body: dict, auth: Optional[str] = None) -> Response:
         stream = bool(body.get("stream"))
@@ -227,7 +244,7 @@ class Dispatcher:
         last: Optional[Failure] = None
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
-                await asyncio.sleep(self._backoff(attempt))
+                await asyncio.sleep(self._backoff(attempt, last))
             plan = self.plan(text, tried)
             if plan is None:
                 break
@@ -299,7 +316,7 @@ class Dispatcher:
         if worker.reports_epoch:
             headers[EXPECTED_MODE_HEADER] = f"{worker.mode};epoch={worker.epoch}"
         return Leg(worker, role, self.session, self.registry, self.metrics, worker.url + route,
-                   data, headers, self.cfg.request_timeout_s)
+                   data, headers, self.cfg.request_timeout_s, self.breakers)
 
     async def _whole_attempt(self, route: str, body: dict, w: Worker, stream: bool,
                              auth: Optional[str]) -> Outcome:
@@ -314,8 +331,8 @@ class Dispatcher:
         data = msgspec.json.encode(inject_bootstrap(body, route, p))
         p_leg = self._leg(p, PREFILL, route, data, auth)
         d_leg = self._leg(d, DECODE, route, data, auth)
-        p_task = asyncio.ensure_future(p_leg.run(False))
-        d_task = asyncio.ensure_future(d_leg.run(stream))
+        p_task = _leg_task(p_leg, False)
+        d_task = _leg_task(d_leg, stream)
         handed_off = False
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
@@ -326,6 +343,7 @@ class Dispatcher:
                 if not p_task.done():
                     await asyncio.wait({p_task}, timeout=ROOT_CAUSE_WAIT_S)
                 if p_task.done() and not p_leg.ok:  # the root cause: decode had no KV to wait for
+                    d_leg.settle(NEUTRAL)  # its breaker is not charged with the prefill's failure
                     return Failure(p_leg, p_leg.retryable, d_leg)
                 return Failure(d_leg, d_leg.retryable)
             handed_off = True
@@ -369,6 +387,13 @@ class Dispatcher:
             self._finish_in_background(prefill_task)
         else:
             await _cancel(prefill_task)
+
+
+def _leg_task(leg: Leg, stream: bool) -> asyncio.Task:
+    """A leg's call as a task; cancelled before its call began, the leg still settles with its breaker."""
+    task = asyncio.ensure_future(leg.run(stream))
+    task.add_done_callback(lambda t: leg.settle() if t.cancelled() else None)
+    return task
 
 
 async def _cancel(*tasks: asyncio.Task) -> None:

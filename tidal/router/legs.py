@@ -12,6 +12,7 @@ from multidict import CIMultiDict, CIMultiDictProxy
 from starlette.responses import Response
 
 from tidal.router.metrics import RouterMetrics
+from tidal.router.resilience import FAILURE, NEUTRAL, SUCCESS, CircuitBreakers, parse_retry_after
 from tidal.router.workers import Worker, WorkerRegistry
 from tidal.server.protocol import error_body
 from tidal.server_timing import HEADER as SERVER_TIMING
@@ -20,6 +21,9 @@ logger = logging.getLogger(__name__)
 
 # 409: the worker changed role since we picked it (X-Tidal-Expected-Mode); go elsewhere
 RETRYABLE_STATUS = frozenset({408, 409, 429} | set(range(500, 600)))
+# the answers that say the worker itself is broken, for its circuit breaker; a refusal says it works (4xx; 503:
+# draining for a switch or full; 409: it moved)
+BREAKER_FAILURE_STATUS = frozenset({408} | set(range(500, 600))) - {503}
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
 
@@ -54,7 +58,8 @@ class Leg:
     """
 
     def __init__(self, worker: Worker, role: str, session: aiohttp.ClientSession, registry: WorkerRegistry,
-                 metrics: RouterMetrics, url: str, data: bytes, req_headers: dict, timeout_s: float) -> None:
+                 metrics: RouterMetrics, url: str, data: bytes, req_headers: dict, timeout_s: float,
+                 breakers: Optional[CircuitBreakers] = None) -> None:
         self.worker = worker
         self.role = role
         self.session = session
@@ -71,6 +76,10 @@ class Leg:
         self.timed_out = False
         self._resp: Optional[aiohttp.ClientResponse] = None
         self._active = False
+        # the worker is claimed from its circuit breaker now, between the route's plan and any wait
+        self.breakers = breakers
+        self._probe = breakers.claim(worker.url) if breakers is not None else False
+        self._settled = breakers is None
 
     @property
     def ok(self) -> bool:
@@ -88,6 +97,24 @@ class Leg:
             return f"{where}: {self.error}"
         detail = self.body[:300].decode("utf-8", "replace").strip()
         return f"{where}: HTTP {self.status}" + (f": {detail}" if detail else "")
+
+    def verdict(self) -> str:
+        """What this call says of the worker, for its circuit breaker."""
+        if self.ok:
+            return SUCCESS
+        if self.error is not None or self.status in BREAKER_FAILURE_STATUS:
+            return FAILURE
+        return NEUTRAL  # a refusal, or never answered (cancelled)
+
+    def settle(self, verdict: Optional[str] = None) -> None:
+        """Tell the worker's breaker how the call went, once (`verdict` overrides what the call says: the
+        dispatcher's NEUTRAL for a decode leg that failed because its prefill did)."""
+        if not self._settled:
+            self._settled = True
+            self.breakers.record(self.worker.url, verdict or self.verdict(), self._probe)
+
+    def retry_after_s(self) -> Optional[float]:
+        return parse_retry_after(self.headers.get("retry-after"))
 
     def client_status(self) -> int:
         if self.status is not None:
@@ -155,6 +182,7 @@ class Leg:
 
     def close(self) -> None:
         """Release the worker; an unfinished response is closed with its connection (the worker sees it)."""
+        self.settle()
         if self._active:
             self._active = False
             self.registry.end(self.worker)
@@ -185,6 +213,7 @@ class RelayResponse(Response):
         self.on_done = on_done
         self.tally: Any = None  # fed every chunk when set (the planner's StreamTally)
         self.on_end: Optional[Callable[[bool], None]] = None  # called with `completed` when the relay ends
+        self.finalizers: list[Callable[[], None]] = []  # called when the relay ends, however it ends
         self.status_code = leg.status or 200
         self.media_type = leg.headers.get("content-type", "text/event-stream")
         self.background = None
@@ -202,9 +231,21 @@ class RelayResponse(Response):
                 t.cancel()
             await asyncio.gather(pump, gone, return_exceptions=True)
             self.leg.close()
+            for fin in self.finalizers:
+                fin()
             if self.on_end is not None:
                 self.on_end(completed)
             await self.on_done(self.prefill_task, completed)
+
+    def discard(self) -> None:
+        """Release what the relay holds without sending it (its client left before it started)."""
+        self.leg.close()
+        for fin in self.finalizers:
+            fin()
+        if self.on_end is not None:
+            self.on_end(False)
+        if self.prefill_task is not None:
+            self.prefill_task.cancel()
 
     def _tally(self, chunk: bytes) -> None:
         if self.tally is not None:

@@ -20,6 +20,16 @@ class RouterMetrics:
                                        "Requests to a worker that failed (5xx, 408, 429, connection, timeout)",
                                        wl, registry=r)
         self.retries = Counter("tidal_router:retries", "Retries caused by a worker's failure", wl, registry=r)
+        self.breaker_transitions = Counter("tidal_router:circuit_breaker_transitions",
+                                           "A worker's circuit breaker changing state, by the state it entered",
+                                           ["worker", "role", "state"], registry=r)
+        self.admission_refused = Counter("tidal_router:admission_refused",
+                                         "Requests refused by the admission gate: 429 queue full, 408 queue timeout",
+                                         ["status"], registry=r)
+        self.admission_active = Gauge("tidal_router:admission_active", "Requests holding an admission slot",
+                                      registry=r)
+        self.admission_queued = Gauge("tidal_router:admission_queued", "Requests waiting for an admission slot",
+                                      registry=r)
         self.healthy = Gauge("tidal_router:worker_healthy", "1 if the worker passed its last checks", wl, registry=r)
         self.in_flight = Gauge("tidal_router:worker_in_flight", "Requests the router has open on the worker",
                                wl, registry=r)

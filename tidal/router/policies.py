@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from typing import Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
 
@@ -191,11 +191,14 @@ def pick(policies: Mapping[str, Policy], pool: list[Worker], role: str, text: st
 
 
 def plan_route(registry: WorkerRegistry, policies: Mapping[str, Policy], text: str, tried: set[str],
-               enforce_disaggregation: bool = False) -> Optional[tuple[str, Worker, Optional[Worker]]]:
+               enforce_disaggregation: bool = False, admit: Optional[Callable[[Worker], bool]] = None,
+               ) -> Optional[tuple[str, Worker, Optional[Worker]]]:
     """Where one request goes: ("pd", prefill, decode) or ("whole", worker, None); None when nothing
     can serve. With both paths open it joins the shorter queue (decode vs null load scores), ties
-    to the whole path (no transfer). The router's dispatcher and `tidal sim` call it."""
-    prefills, decodes, nulls = registry.pool(PREFILL), registry.pool(DECODE), registry.pool(NULL)
+    to the whole path (no transfer). `admit` filters the pools (the router's circuit breakers). The
+    router's dispatcher and `tidal sim` call it."""
+    prefills, decodes, nulls = (
+        [w for w in registry.pool(mode) if admit is None or admit(w)] for mode in (PREFILL, DECODE, NULL))
     if enforce_disaggregation:
         nulls = []
     pairable = [p for p in prefills if any(can_pair(p, d) for d in decodes)]

@@ -225,6 +225,11 @@ class DecodeSide:
             self._bootstrap_step(st, now)
         if st.status == KVPoll.WaitingForInput and st.dst is not None:
             self._send_info(st)
+        elif st.status == KVPoll.WaitingForInput and now - st.created > self.config.bootstrap_timeout:
+            # the decode server never found KV room for it (a full pool or running batch): its prefill gives up
+            # on the destination at this same deadline, so the request must not wait on here alone
+            self.fail(st, f"no KV room: room {st.room} was not pre-allocated on decode within "
+                          f"{self.config.bootstrap_timeout:g}s (the KV pool or the running batch is full)")
         if st.init_at is not None and st.status not in TERMINAL_POLLS and now - st.init_at > self.config.waiting_timeout:
             self.fail(st, f"waiting timeout: room {st.room} not completed {self.config.waiting_timeout}s after init")
 
