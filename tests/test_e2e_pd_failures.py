@@ -15,24 +15,13 @@ import time
 import httpx
 import pytest
 
-from servers import Server, free_port, free_port_block
+from servers import Server, assert_idle_and_intact, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
 ARGS = ["--max-total-tokens", "8192", "--chunked-prefill-size", "64", "--torch-threads", "1",
         "--enable-integrity-check", "--disaggregation-transfer-backend", "tcp"]
 FAST_TIMEOUTS = {"TIDAL_DISAGG_BOOTSTRAP_TIMEOUT": "5", "TIDAL_DISAGG_WAITING_TIMEOUT": "5"}
-
-
-def assert_idle_and_intact(url: str) -> None:
-    deadline = time.time() + 60
-    while time.time() < deadline:
-        load = httpx.get(url + "/get_load", timeout=10).json()[0]
-        if load["num_reqs"] == 0 and load["num_tokens"] == 0:
-            break
-        time.sleep(0.5)
-    assert load["num_reqs"] == 0 and load["num_tokens"] == 0, load
-    assert httpx.get(url + "/health", timeout=10).status_code == 200
 
 
 def test_injected_failures_under_load_every_request_ends():
