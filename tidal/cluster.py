@@ -20,7 +20,7 @@ from typing import Optional
 import httpx
 import psutil
 
-from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, keys_from_env
+from tidal.config import KEY_ENV_VARS, TRANSFER_BACKENDS, default_model_path, keys_from_env
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member, usable_cpus
 from tidal.leftovers import sweep_stale_segments
 from tidal.planner.flags import add_planner_args, planner_argv, planner_config_from_namespace
@@ -31,6 +31,8 @@ READY_TIMEOUT_S = 900.0
 STOP_TIMEOUT_S = 15.0
 DESCENDANT_EXIT_S = 2.0  # a dead server's scheduler ranks get SIGKILL from the kernel (PDEATHSIG)
 POLL_S = 0.1
+# kv_aware's default for every server: events and replay on free ports of the server's host
+FREE_PORT_KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 
 
 def add_cluster_args(p: argparse.ArgumentParser) -> None:
@@ -44,7 +46,9 @@ def add_cluster_args(p: argparse.ArgumentParser) -> None:
     a("--base-port", type=int, default=30000, help="first server port")
     a("--bootstrap-base-port", type=int, default=8998, help="first prefill bootstrap port")
     a("--disaggregation-transfer-backend", default="shm", choices=TRANSFER_BACKENDS, help="KV transfer backend of every server")
-    a("--policy", default="cache_aware", choices=POLICIES, help="the router's policy: how a worker is picked for a request")
+    a("--policy", default="cache_aware", choices=POLICIES,
+      help="the router's policy: how a worker is picked for a request (kv_aware: every server publishes KV events "
+           "on free ports unless --server-args sets --kv-events-config)")
     a("--torch-threads", type=int, default=None,
       help="torch threads per server (default: the physical cores of its own CPU set when pinned, else "
            "physical cores // servers, at least 1)")
@@ -84,7 +88,10 @@ def _server_cmd(ns: argparse.Namespace, mode: str, port: int, bootstrap_port: Op
         cmd += ["--disable-cpu-pinning"]
     if ns.planner != "static":
         cmd += ["--enable-dynamic-disaggregation"]
-    return cmd + shlex.split(ns.server_args)
+    extra = shlex.split(ns.server_args)
+    if ns.policy == "kv_aware" and "--kv-events-config" not in extra:
+        cmd += ["--kv-events-config", FREE_PORT_KV_EVENTS]  # each server reports its ports in /server_info
+    return cmd + extra
 
 
 def plan_cpus(ns: argparse.Namespace, num_servers: int) -> list[CpuPlan]:
@@ -130,6 +137,8 @@ def plan_servers(ns: argparse.Namespace) -> list[tuple[str, str, int, Optional[i
 def _router_cmd(ns: argparse.Namespace, plan: list) -> list[str]:
     cmd = [sys.executable, "-m", "tidal.router", "--host", ns.host, "--port", str(ns.port), "--policy", ns.policy,
            *planner_argv(ns)]
+    if ns.policy == "kv_aware":  # the router tokenizes prompts as the servers do
+        cmd += ["--model-path", ns.model_path or default_model_path()]
     for _, mode, port, bport in plan:
         url = f"http://{ns.host}:{port}"
         if mode == "prefill":

@@ -177,6 +177,7 @@ class ServerArgs:
     enable_torch_compile: bool = False
     torch_compile_max_bs: int = 32
     enable_integrity_check: bool = False
+    kv_events_config: Optional[str] = None  # SGLang's --kv-events-config JSON (tidal.kvevents)
     watchdog_timeout: float = 300.0
     http_read_timeout_secs: float = 20.0
     log_level: str = "info"
@@ -255,6 +256,9 @@ class ServerArgs:
         from tidal.server.tool_parser import get_parser
 
         get_parser(self.tool_call_parser)  # ValueError naming the known parsers
+        from tidal.kvevents.events import parse_kv_events_config
+
+        parse_kv_events_config(self.kv_events_config)  # ValueError with the reason
         self._validate_lora()
 
     def _validate_lora(self) -> None:
@@ -373,6 +377,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
       help="with --enable-torch-compile: decode batches of at most this many requests run compiled, larger "
            "ones and every prefill eager")
+    a("--kv-events-config", default=None,
+      help="publish the prefix cache's KV events over ZMQ for a KV-aware router: SGLang's JSON, e.g. "
+           '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
+           "(* is --host), or a path to such a file (default: none, no events)")
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds without scheduler output before requests fail (and TP collectives time out)")
     a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,

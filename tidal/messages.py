@@ -6,7 +6,7 @@ messages its receiver accepts, so decoding yields the concrete type.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import msgspec
 
@@ -142,6 +142,7 @@ class SchedulerReady(_Msg):
     hidden_size: int = 0
     lora_enabled: bool = False
     lora_adapters: dict[str, str] = {}  # loaded LoRA adapters at start: name -> path
+    kv_events: dict[str, Any] = {}  # --kv-events-config: where to subscribe (tidal.kvevents.publisher.KVEvents.info)
 
 
 class FlushCacheResp(_Msg):

@@ -40,6 +40,7 @@ class TreeNode:
         self.last_access_time = time
         self.id = next(TreeNode._ids)
         self.namespace: Any = None  # set on a namespace node (an empty-keyed child of the root)
+        self.hashes: list[int] = []  # with KV events: one chained hash per page of `key`
 
     def __len__(self) -> int:
         return len(self.key)
@@ -61,6 +62,7 @@ class RadixCache:
         allocator: PagedTokenAllocator,
         page_size: int,
         disable: bool = False,
+        events: Any = None,
     ):
         if page_size != allocator.page_size:
             raise ValueError(f"page_size {page_size} != allocator page_size {allocator.page_size}")
@@ -71,7 +73,8 @@ class RadixCache:
         self.device = allocator.device
         self._clock = itertools.count(1)
         self._protected = 0
-        self.reset()
+        self.events = events  # a KVEventSink (tidal.kvevents.events): told of every page stored and removed
+        self._new_tree()
 
     # ---- tree state -------------------------------------------------------------
 
@@ -80,11 +83,16 @@ class RadixCache:
         Refused (False) while any node is locked."""
         if self._protected > 0:
             return False
+        if self.events is not None:
+            self.events.cleared()
+        self._new_tree()
+        return True
+
+    def _new_tree(self) -> None:
         self.root_node = TreeNode([], self._empty(), None, 0)
         self.root_node.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
-        return True
 
     def flush(self) -> bool:
         """Free every slot of the tree and empty it. Refused (False) while any node is locked."""
@@ -155,6 +163,8 @@ class RadixCache:
         for n in nodes:
             self.allocator.free(n.value)
             self._evictable -= len(n)
+            if self.events is not None:
+                self.events.removed(n.hashes)
         del self.root_node.children[("namespace", namespace)]
         return True
 
@@ -195,6 +205,8 @@ class RadixCache:
         assert parent is not None and 0 < n < len(child.key)
         upper = TreeNode(child.key[:n], child.value[:n].clone(), parent, child.last_access_time)
         upper.lock_ref = child.lock_ref
+        pages = n // self.page_size
+        upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
         child.key, child.value = child.key[n:], child.value[n:].clone()
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
@@ -226,7 +238,16 @@ class RadixCache:
             leaf = TreeNode(list(key), value.clone(), node, now)
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf)
+            if self.events is not None:
+                self._tell_stored(leaf, node, namespace)
         return present
+
+    def _tell_stored(self, leaf: TreeNode, parent: TreeNode, namespace: Any) -> None:
+        from tidal.kvevents.events import block_hashes
+
+        parent_hash = parent.hashes[-1] if parent.hashes else None  # None: the namespace's first block
+        leaf.hashes = block_hashes(leaf.key, self.page_size, parent_hash, namespace)
+        self.events.stored(leaf.hashes, parent_hash, leaf.key, namespace)
 
     # ---- locking / eviction ------------------------------------------------------
 
@@ -270,6 +291,8 @@ class RadixCache:
 
     def _delete_leaf(self, node: TreeNode) -> int:
         self.allocator.free(node.value)
+        if self.events is not None:
+            self.events.removed(node.hashes)
         del node.parent.children[self._child_key(node.key)]
         self._evictable -= len(node)
         return len(node)

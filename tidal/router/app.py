@@ -34,6 +34,7 @@ from tidal.config import bearer_headers, hide_model_paths, mask_secrets
 from tidal.planner.loop import PlannerLoop, load_cost_model
 from tidal.router.config import RouterConfig
 from tidal.router.dispatch import Dispatcher
+from tidal.router.kv_aware import KVEventsFollower, RouterTokenizer
 from tidal.router.legs import RelayResponse, json_error
 from tidal.router.metrics import CONTENT_TYPE, RouterMetrics
 from tidal.router.policies import Policy, make_policy
@@ -61,6 +62,7 @@ TOKENIZER_ROUTES = ("/tokenize", "/v1/tokenize", "/detokenize", "/v1/detokenize"
 EMBEDDING_ROUTES = ("/v1/embeddings", "/encode")
 ADMIN_PATHS = frozenset({"/add_worker", "/remove_worker", "/flush_cache", "/pd_role_switch",
                          "/load_lora_adapter", "/unload_lora_adapter"})
+TOKENIZER_LOAD_TIMEOUT_S = 120.0  # kv_aware: how long the router's start waits for its tokenizer
 HEALTH_GENERATE_TIMEOUT_S = 30.0  # a worker's own /health_generate waits up to 20 s
 
 
@@ -80,6 +82,8 @@ class RouterState:
     mover: Optional[RoleMover] = None
     planner: Optional[PlannerLoop] = None
     gate: Optional[AdmissionGate] = None
+    kv: Optional[KVEventsFollower] = None  # kv_aware: the workers' KV events
+    tokenizer: Optional[RouterTokenizer] = None  # kv_aware: prompts to token ids
     started_at: float = dataclasses.field(default_factory=time.time)
 
     def worker_headers(self) -> dict:
@@ -111,14 +115,19 @@ def build_state(cfg: RouterConfig) -> RouterState:
         registry.add(url, DECODE)
     for url in cfg.workers:
         registry.add(url, NULL)
+    kv = KVEventsFollower() if cfg.uses_kv_events() else None
     knobs = dict(cache_threshold=cfg.cache_threshold, balance_abs_threshold=cfg.balance_abs_threshold,
-                 balance_rel_threshold=cfg.balance_rel_threshold, max_tree_size=cfg.max_tree_size)
+                 balance_rel_threshold=cfg.balance_rel_threshold, max_tree_size=cfg.max_tree_size,
+                 kv_follower=kv, kv_load_weight=cfg.kv_load_weight)
     policies = {PREFILL: make_policy(cfg.prefill_policy or cfg.policy, **knobs),
                 DECODE: make_policy(cfg.decode_policy or cfg.policy, **knobs),
                 NULL: make_policy(cfg.policy, **knobs)}
     registry.on_remove(lambda url: [p.forget(url) for p in policies.values()])
     st = RouterState(cfg, registry, policies, RouterMetrics(),
                      gate=AdmissionGate(cfg.max_concurrent_requests, cfg.queue_size, cfg.queue_timeout_s))
+    if kv is not None:
+        registry.on_remove(kv.forget)
+        st.kv, st.tokenizer = kv, RouterTokenizer(cfg.tokenizer_path or cfg.model_path)
     st.mover = RoleMover(st)
     st.planner = PlannerLoop(cfg.planner, st, load_cost_model(cfg.planner_profile), cfg.planner_profile)
     return st
@@ -140,6 +149,9 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
     st.checker = HealthChecker(st.registry, st.session, cfg.health_check_interval_s, cfg.health_check_timeout_s,
                                st.worker_headers())
     st.dispatcher = Dispatcher(cfg, st.registry, st.policies, st.session, st.metrics, st.planner.window)
+    if st.kv is not None:
+        _follow_kv_events(st)
+        await st.tokenizer.ready(TOKENIZER_LOAD_TIMEOUT_S)  # routes by tokens from the first request on
     await st.checker.check_all()
     st.checker.on_mode_change = st.planner.switched_behind  # from now on: the first check learned the modes
     st.registry.on_remove(st.planner.forget_worker)
@@ -151,7 +163,23 @@ async def _lifespan(app: FastAPI) -> AsyncIterator[None]:
         await st.planner.stop()
         await st.checker.stop()
         await st.dispatcher.aclose()
+        if st.kv is not None:
+            await st.tokenizer.aclose()
+            st.kv.close()
         await st.session.close()
+
+
+def _follow_kv_events(st: RouterState) -> None:
+    """kv_aware: subscribe to what each worker's /server_info says it publishes; tokenize prompts."""
+    kv, tok = st.kv, st.tokenizer
+
+    def on_info(w: Worker, info: dict) -> None:
+        kv.learn(w, info)
+        tok.offer(info.get("model_path"))
+
+    st.checker.on_server_info = on_info
+    st.dispatcher.tokenize = tok.tokens
+    tok.start()
 
 
 def create_router_app(cfg: RouterConfig, state: Optional[RouterState] = None) -> FastAPI:
@@ -441,8 +469,13 @@ def _add_admin_routes(app: FastAPI) -> None:
         st = _st(request)
         breakers = st.dispatcher.breakers
         gate = st.gate
-        return _json({"workers": [{**w.to_dict(), "circuit_breaker": breakers.state(w.url)}
+        kv = st.kv
+        return _json({"workers": [{**w.to_dict(), "circuit_breaker": breakers.state(w.url),
+                                   **({"kv_events": kv.state(w.url)} if kv is not None else {})}
                                   for w in st.registry.all()],
+                      "policies": {role: p.stats() for role, p in st.policies.items() if p.stats() is not None},
+                      **({"tokenizer": {"path": st.tokenizer.path, "loaded": st.tokenizer.prompts is not None,
+                                        "error": st.tokenizer.error}} if st.tokenizer is not None else {}),
                       "admission": {"max_concurrent_requests": gate.max_concurrent, "active": gate.active,
                                     "queued": gate.queued, "queue_size": gate.queue_size,
                                     "refused": {str(k): v for k, v in gate.refused.items()}}})

@@ -50,6 +50,13 @@ def add_router_args(parser: argparse.ArgumentParser) -> None:
                    help="cache_aware: load ratio above which the least-loaded worker wins")
     p.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
                    help="cache_aware: prefix entries kept per pool (LRU)")
+    p.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
+                   help="kv_aware: each open request on a worker costs this many mean prompts of prefill "
+                        f"(default {d.kv_load_weight:g}; 0: cache hits only)")
+    p.add_argument("--model-path", default=None,
+                   help="kv_aware: the model whose tokenizer the router tokenizes prompts with (default: the "
+                        "model_path a worker's /server_info reports)")
+    p.add_argument("--tokenizer-path", default=None, help="kv_aware: a tokenizer to use instead of --model-path's")
     s = parser.add_argument_group("server")
     s.add_argument("--host", default=d.host, help="address to listen on; 127.0.0.1 keeps the server local")
     s.add_argument("--port", type=int, default=d.port, help="HTTP port")
@@ -139,7 +146,9 @@ def router_config_from_namespace(ns: argparse.Namespace) -> RouterConfig:
         queue_size=ns.queue_size, queue_timeout_s=ns.queue_timeout_secs,
         enforce_disaggregation=ns.enforce_disaggregation,
         cache_threshold=ns.cache_threshold, balance_abs_threshold=ns.balance_abs_threshold,
-        balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size, api_key=ns.api_key,
+        balance_rel_threshold=ns.balance_rel_threshold, max_tree_size=ns.max_tree_size,
+        kv_load_weight=ns.kv_load_weight, model_path=ns.model_path, tokenizer_path=ns.tokenizer_path,
+        api_key=ns.api_key,
         admin_api_key=ns.admin_api_key,
         worker_admin_api_key=ns.worker_admin_api_key, switch_timeout_s=ns.switch_timeout_secs,
         log_level=ns.log_level, planner=planner_config_from_namespace(ns), planner_profile=ns.planner_profile)

@@ -45,6 +45,9 @@ class RouterConfig:
     balance_abs_threshold: float = 32
     balance_rel_threshold: float = 1.5
     max_tree_size: int = 1 << 17
+    kv_load_weight: float = 0.25  # kv_aware: the weight of a worker's queue against the tokens it would prefill
+    tokenizer_path: Optional[str] = None  # kv_aware: the tokenizer (a directory or GGUF); default: model_path
+    model_path: Optional[str] = None  # kv_aware: the model whose tokenizer it is; default: the workers' own
     prefill_wait_s: float = 30.0  # how long a finished decode waits for prefill's answer
     api_key: Optional[str] = None  # required from clients on API routes; sent to workers as a Bearer token
     admin_api_key: Optional[str] = None  # the router's own: required on its state-changing routes
@@ -69,6 +72,11 @@ class RouterConfig:
         if self.queue_size < 0 or self.queue_timeout_s <= 0:
             raise ValueError("--queue-size must be >= 0 and --queue-timeout-secs > 0")
         self.breaker_config()  # raises on a bad --cb-* value
+        if self.kv_load_weight < 0:
+            raise ValueError("--kv-load-weight must be >= 0")
+
+    def uses_kv_events(self) -> bool:
+        return "kv_aware" in (self.policy, self.prefill_policy, self.decode_policy)
 
     def retry_policy(self) -> RetryPolicy:
         return RetryPolicy(self.retry_initial_backoff_s, self.retry_max_backoff_s, self.retry_backoff_multiplier,

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import random
 import time
-from typing import Any, Optional, Union
+from typing import Any, Awaitable, Callable, Optional, Union
 
 import aiohttp
 import msgspec
@@ -25,7 +25,7 @@ from tidal.planner.window import InFlight, StreamTally, stream_observation, whol
 from tidal.router.config import RouterConfig
 from tidal.router.legs import Leg, RelayResponse, json_error
 from tidal.router.metrics import RouterMetrics
-from tidal.router.policies import Policy, plan_route
+from tidal.router.policies import Policy, PromptTokens, plan_route
 from tidal.router.resilience import NEUTRAL, CircuitBreakers, RetryPolicy
 from tidal.router.workers import DECODE, MODES, PREFILL, Worker, WorkerRegistry
 from tidal.server_timing import HEADER as SERVER_TIMING
@@ -195,6 +195,9 @@ class Dispatcher:
         self.breakers = CircuitBreakers(cfg.breaker_config(), on_change=self._breaker_changed)
         registry.on_remove(self.breakers.forget)
         self._background: set[asyncio.Task] = set()
+        # kv_aware: (route, body) -> the prompt's PromptTokens, None when they cannot be had
+        self.tokenize: Optional[Callable[[str, dict], Awaitable[Optional[PromptTokens]]]] = None
+        self._wants_tokens = any(p.wants_tokens for p in policies.values())
 
     def _breaker_changed(self, url: str, state: str) -> None:
         w = self.registry.get(url)
@@ -210,10 +213,11 @@ class Dispatcher:
 
     # ------------------------------------------------------------ planning
 
-    def plan(self, text: str, tried: set[str]) -> Optional[tuple[str, Worker, Optional[Worker]]]:
+    def plan(self, text: str, tried: set[str], tokens: Optional[PromptTokens] = None,
+             ) -> Optional[tuple[str, Worker, Optional[Worker]]]:
         """("pd", prefill, decode) or ("whole", worker, None); None when nothing can serve."""
         return plan_route(self.registry, self.policies, text, tried, self.cfg.enforce_disaggregation,
-                          admit=lambda w: self.breakers.allows(w.url))
+                          admit=lambda w: self.breakers.allows(w.url), tokens=tokens)
 
     def _unavailable(self) -> Response:
         if self.cfg.enforce_disaggregation and not self.registry.has_pd_path():
@@ -237,6 +241,7 @@ class Dispatcher:
     async def dispatch(self, route: str, body: dict, auth: Optional[str] = None) -> Response:
         stream = bool(body.get("stream"))
         text = request_text(route, body)
+        tokens = await self.tokenize(route, body) if self._wants_tokens and self.tokenize is not None else None
         started_at = time.monotonic()
         count = requests_in(route, body)
         ticket = self.observer.arrival(started_at, count) if self.observer is not None else None
@@ -245,7 +250,7 @@ class Dispatcher:
         for attempt in range(self.cfg.max_retries + 1):
             if attempt:
                 await asyncio.sleep(self._backoff(attempt, last))
-            plan = self.plan(text, tried)
+            plan = self.plan(text, tried, tokens)
             if plan is None:
                 break
             kind, first, second = plan

@@ -6,23 +6,37 @@ round-robin counters and the cache-aware prefix index are per pool.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from typing import Callable, Mapping, Optional, Sequence
 
 from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
 
-POLICIES = ("random", "round_robin", "power_of_two", "cache_aware")
+POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "kv_aware")
+
+
+@dataclasses.dataclass(frozen=True)
+class PromptTokens:
+    """A prompt as a worker's prefix cache keys it: token ids within a namespace (a LoRA adapter; None: base)."""
+
+    ids: Sequence[int]
+    namespace: Optional[str] = None
 
 
 class Policy:
     name = "base"
+    wants_tokens = False  # True: the dispatcher passes the prompt's PromptTokens (kv_aware)
 
-    def select(self, workers: Sequence[Worker], text: str = "") -> Worker:
+    def select(self, workers: Sequence[Worker], text: str = "", tokens: Optional[PromptTokens] = None) -> Worker:
         raise NotImplementedError
 
     def forget(self, url: str) -> None:
         """A worker left the registry."""
+
+    def stats(self) -> Optional[dict]:
+        """The policy's own counters for GET /workers (None: it keeps none)."""
+        return None
 
 
 def least_loaded(workers: Sequence[Worker]) -> Worker:
@@ -35,7 +49,7 @@ class RandomPolicy(Policy):
     def __init__(self, seed: Optional[int] = None) -> None:
         self.rng = random.Random(seed)
 
-    def select(self, workers: Sequence[Worker], text: str = "") -> Worker:
+    def select(self, workers: Sequence[Worker], text: str = "", tokens: Optional[PromptTokens] = None) -> Worker:
         return self.rng.choice(list(workers))
 
 
@@ -45,7 +59,7 @@ class RoundRobinPolicy(Policy):
     def __init__(self) -> None:
         self.counter = 0
 
-    def select(self, workers: Sequence[Worker], text: str = "") -> Worker:
+    def select(self, workers: Sequence[Worker], text: str = "", tokens: Optional[PromptTokens] = None) -> Worker:
         ordered = sorted(workers, key=lambda w: w.url)
         w = ordered[self.counter % len(ordered)]
         self.counter += 1
@@ -60,7 +74,7 @@ class PowerOfTwoPolicy(Policy):
     def __init__(self, seed: Optional[int] = None) -> None:
         self.rng = random.Random(seed)
 
-    def select(self, workers: Sequence[Worker], text: str = "") -> Worker:
+    def select(self, workers: Sequence[Worker], text: str = "", tokens: Optional[PromptTokens] = None) -> Worker:
         if len(workers) == 1:
             return workers[0]
         a, b = self.rng.sample(list(workers), 2)
@@ -154,7 +168,7 @@ class CacheAwarePolicy(Policy):
         lo, hi = min(loads), max(loads)
         return hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold
 
-    def select(self, workers: Sequence[Worker], text: str = "") -> Worker:
+    def select(self, workers: Sequence[Worker], text: str = "", tokens: Optional[PromptTokens] = None) -> Worker:
         chosen: Optional[Worker] = None
         if len(workers) > 1 and not self.imbalanced(workers) and text:
             owners, matched = self.index.match(text, {w.url for w in workers})
@@ -172,7 +186,8 @@ class CacheAwarePolicy(Policy):
 
 
 def make_policy(name: str, cache_threshold: float = 0.5, balance_abs_threshold: float = 32,
-                balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 17) -> Policy:
+                balance_rel_threshold: float = 1.5, max_tree_size: int = 1 << 17, kv_follower=None,
+                kv_load_weight: float = 1.0) -> Policy:
     if name == "random":
         return RandomPolicy()
     if name == "round_robin":
@@ -181,18 +196,24 @@ def make_policy(name: str, cache_threshold: float = 0.5, balance_abs_threshold: 
         return PowerOfTwoPolicy()
     if name == "cache_aware":
         return CacheAwarePolicy(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
+    if name == "kv_aware":
+        from tidal.router.kv_aware import KVAwarePolicy
+
+        fallback = CacheAwarePolicy(cache_threshold, balance_abs_threshold, balance_rel_threshold, max_tree_size)
+        return KVAwarePolicy(kv_follower, fallback, kv_load_weight)
     raise ValueError(f"unknown policy {name!r}: expected one of {', '.join(POLICIES)}")
 
 
-def pick(policies: Mapping[str, Policy], pool: list[Worker], role: str, text: str, tried: set[str]) -> Worker:
+def pick(policies: Mapping[str, Policy], pool: list[Worker], role: str, text: str, tried: set[str],
+         tokens: Optional[PromptTokens] = None) -> Worker:
     """The pool's policy over the workers not tried yet (all of them once every one was)."""
     fresh = [w for w in pool if w.url not in tried]
-    return policies[role].select(fresh or pool, text)
+    return policies[role].select(fresh or pool, text, tokens)
 
 
 def plan_route(registry: WorkerRegistry, policies: Mapping[str, Policy], text: str, tried: set[str],
                enforce_disaggregation: bool = False, admit: Optional[Callable[[Worker], bool]] = None,
-               ) -> Optional[tuple[str, Worker, Optional[Worker]]]:
+               tokens: Optional[PromptTokens] = None) -> Optional[tuple[str, Worker, Optional[Worker]]]:
     """Where one request goes: ("pd", prefill, decode) or ("whole", worker, None); None when nothing
     can serve. With both paths open it joins the shorter queue (decode vs null load scores), ties
     to the whole path (no transfer). `admit` filters the pools (the router's circuit breakers). The
@@ -206,10 +227,10 @@ def plan_route(registry: WorkerRegistry, policies: Mapping[str, Policy], text: s
     if nulls and pd_ok:
         pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
     if pd_ok:
-        p = pick(policies, pairable, PREFILL, text, tried)
-        return "pd", p, pick(policies, [d for d in decodes if can_pair(p, d)], DECODE, text, tried)
+        p = pick(policies, pairable, PREFILL, text, tried, tokens)
+        return "pd", p, pick(policies, [d for d in decodes if can_pair(p, d)], DECODE, text, tried, tokens)
     if nulls:
-        return "whole", pick(policies, nulls, NULL, text, tried), None
+        return "whole", pick(policies, nulls, NULL, text, tried, tokens), None
     if decodes and not prefills and not enforce_disaggregation:
-        return "whole", pick(policies, decodes, DECODE, text, tried), None  # decode prefills locally
+        return "whole", pick(policies, decodes, DECODE, text, tried, tokens), None  # decode prefills locally
     return None

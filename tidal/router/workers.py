@@ -230,6 +230,8 @@ class HealthChecker:
         # called (url, old mode, new mode) when a check finds that a worker switched behind the router (on its own
         # switch route): the planner counts it as a move by hand
         self.on_mode_change: Optional[Callable[[str, str, str], None]] = None
+        # called (worker, its /server_info) on every answer (kv_aware follows the worker's KV events from it)
+        self.on_server_info: Optional[Callable[[Worker, dict], None]] = None
 
     def start(self) -> None:
         if self._task is None:
@@ -279,7 +281,11 @@ class HealthChecker:
                 info = await r.json(content_type=None) if r.status == 200 else None
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return
-        if not isinstance(info, dict) or info.get("disaggregation_mode") not in MODES:
+        if not isinstance(info, dict):
+            return
+        if self.on_server_info is not None and self.registry.get(w.url) is w:
+            self.on_server_info(w, info)
+        if info.get("disaggregation_mode") not in MODES:
             return
         epoch = info.get("epoch") if isinstance(info.get("epoch"), int) else None
         if isinstance(info.get("tp_size"), int):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -28,8 +28,10 @@ class KVMemory:
         disable_radix_cache: bool,
         device: torch.device | str = "cpu",
         debug: bool = False,
+        events: Any = None,
     ):
         self.page_size = page_size
+        self.events = events  # a KVEventSink every radix cache made here reports to (None: no KV events)
         self.max_total_tokens = max_total_tokens
         # extra rows so a retracted/aborted request's slot never blocks a new one
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
@@ -38,8 +40,9 @@ class KVMemory:
 
     def make_cache(self, radix: bool):
         """A new, empty prefix cache over these pools (radix tree, or no sharing)."""
-        cache_cls = RadixCache if radix else ChunkCache
-        return cache_cls(self.req_to_token_pool, self.allocator, self.page_size)
+        if radix:
+            return RadixCache(self.req_to_token_pool, self.allocator, self.page_size, events=self.events)
+        return ChunkCache(self.req_to_token_pool, self.allocator, self.page_size)
 
     @property
     def req_to_token(self) -> torch.Tensor:

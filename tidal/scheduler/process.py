@@ -210,6 +210,7 @@ def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerR
         hidden_size=runner.model_config.hidden_size,
         lora_enabled=getattr(runner, "lora", None) is not None,
         lora_adapters=runner.lora.paths() if getattr(runner, "lora", None) is not None else {},
+        kv_events=sched.kv_events.info() if sched.kv_events is not None else {},
     )
 
 

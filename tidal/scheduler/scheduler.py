@@ -12,6 +12,7 @@ from tidal.config import ServerArgs
 from tidal.constrained.compiler import GrammarCompiler
 from tidal.constrained.grammar import JsonStyle
 from tidal.constrained.masks import GrammarBatch
+from tidal.kvevents.publisher import KVEvents
 from tidal.messages import (
     AbortReq,
     FinishReason,
@@ -62,6 +63,7 @@ class Scheduler:
         cfg = runner.model_config
         self.context_length = args.context_length or cfg.context_length
         self.max_running_requests = args.max_running_requests
+        self.kv_events = KVEvents.create(args, self.tp.rank)
         self.mem = KVMemory(
             max_total_tokens=runner.max_total_tokens,
             page_size=args.page_size,
@@ -70,6 +72,7 @@ class Scheduler:
             disable_radix_cache=args.disable_radix_cache,
             device=runner.device,
             debug=args.enable_integrity_check,
+            events=self.kv_events.sink if self.kv_events is not None else None,
         )
         self.max_req_input_len = min(self.context_length - 1, runner.max_total_tokens - 1)
         self.stop = StopChecker(tokenizer, list(cfg.eos_token_ids), self.context_length)
@@ -261,6 +264,8 @@ class Scheduler:
 
     def step(self) -> bool:
         """One iteration; returns False when there was nothing to run."""
+        if self.kv_events is not None:
+            self.kv_events.publish()  # what the cache did since the last iteration, one batch
         if self.overlap:
             return self._step_overlapped()
         t0 = now()
@@ -446,6 +451,8 @@ class Scheduler:
 
     def shutdown(self) -> None:
         self.forward_thread.stop()
+        if self.kv_events is not None:
+            self.kv_events.close()
         self.grammars.shutdown()
         self.controller.shutdown()
         self.role.shutdown()

@@ -308,6 +308,7 @@ def _add_info_routes(app: FastAPI) -> None:
             "served_model_name": ctx.args.model_name, "scheduler_info": _struct_dict(ctx.tm.ready),
             "torch_threads": ctx.tm.ready.torch_threads if ctx.tm.ready else None,
             "cpu_affinity": ctx.tm.ready.cpu_affinity if ctx.tm.ready else None,
+            "kv_events": ctx.tm.ready.kv_events if ctx.tm.ready else {},
             "internal_states": [_struct_dict(stats)] if stats is not None else [],
         })
         return JSONResp(_reveal(info, request))
