@@ -18,12 +18,12 @@ import json
 import random
 import socket
 import statistics
-import subprocess
 import sys
 import time
-from typing import Iterator
 
 import httpx
+
+from tidal.bench.procs import serving
 
 KV_EVENTS = '{"publisher": "zmq", "endpoint": "tcp://*:0", "replay_endpoint": "tcp://*:0"}'
 TOPICS = ["Roman history", "Python code review", "French cooking", "orbital mechanics", "tax law", "jazz theory",
@@ -36,35 +36,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait(url: str, proc: subprocess.Popen, timeout_s: float = 300) -> None:
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url} exited with {proc.returncode}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(f"{url} did not become ready")
-
-
-@contextlib.contextmanager
-def _process(cmd: list[str], port: int, log: str) -> Iterator[str]:
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            _wait(url, proc)
-            yield url
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
-
-
 def workload(groups: int, per_group: int, prefix_repeats: int, seed: int) -> list[str]:
     rng = random.Random(seed)
     prompts = []
@@ -74,6 +45,10 @@ def workload(groups: int, per_group: int, prefix_repeats: int, seed: int) -> lis
         prompts += [f"{system}Question {i}: what is the most important idea here?" for i in range(per_group)]
     rng.shuffle(prompts)
     return prompts
+
+
+def _process(cmd: list[str], port: int, log: str):
+    return serving(cmd, f"http://127.0.0.1:{port}", log)
 
 
 def run_policy(policy: str, workers: list[str], prompts: list[str], concurrency: int, max_new_tokens: int,

@@ -11,16 +11,15 @@ Prints p50 and p99 of each side and of the paired difference, per path, as JSON 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
-import subprocess
 import sys
 import time
-from typing import Iterator
 
 import httpx
 import numpy as np
+
+from tidal.bench.procs import serving
 
 
 def _stub_app(mode: str):
@@ -58,29 +57,8 @@ def serve_stub(port: int, mode: str) -> None:
     uvicorn.run(_stub_app(mode), host="127.0.0.1", port=port, log_level="error")
 
 
-@contextlib.contextmanager
-def _process(cmd: list[str], health: str) -> Iterator[subprocess.Popen]:
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.time() + 60
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError(f"{cmd} exited")
-            try:
-                if httpx.get(health, timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.time() > deadline:
-                raise TimeoutError(f"{cmd} did not start")
-            time.sleep(0.1)
-        yield proc
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+def _process(cmd: list[str], health: str):
+    return serving(cmd, health.removesuffix("/health"), timeout_s=60)
 
 
 def _stub(port: int, mode: str):

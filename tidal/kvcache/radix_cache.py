@@ -26,6 +26,7 @@ import torch
 
 from tidal.kvcache.allocator import PagedTokenAllocator
 from tidal.kvcache.req_to_token_pool import ReqToTokenPool
+from tidal.kvevents.events import block_hashes
 
 
 class TreeNode:
@@ -243,8 +244,6 @@ class RadixCache:
         return present
 
     def _tell_stored(self, leaf: TreeNode, parent: TreeNode, namespace: Any) -> None:
-        from tidal.kvevents.events import block_hashes
-
         parent_hash = parent.hashes[-1] if parent.hashes else None  # None: the namespace's first block
         leaf.hashes = block_hashes(leaf.key, self.page_size, parent_hash, namespace)
         self.events.stored(leaf.hashes, parent_hash, leaf.key, namespace)

@@ -27,6 +27,7 @@ from tidal.router.workers import Worker
 logger = logging.getLogger(__name__)
 
 PREDICT_S = 10.0  # how long a routed prompt's blocks count as on their way into the worker's cache
+PREDICTED_SWEEP = 1 << 16  # predicted blocks per worker beyond which the expired ones are dropped
 INLINE_TOKENIZE_CHARS = 32 * 1024  # longer prompts are tokenized in a thread, off the event loop
 _WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]")
 
@@ -144,6 +145,9 @@ class KVAwarePolicy(Policy):
         size = f.block_sizes.get(chosen.url)
         if size in hashes:
             mine = self.predicted.setdefault(chosen.url, {})
+            if len(mine) > PREDICTED_SWEEP:  # expired entries are only ignored by lookups: drop them now and then
+                for h in [h for h, until in mine.items() if until < now]:
+                    del mine[h]
             mine.update(dict.fromkeys(hashes[size], now + self.predict_s))
         if text:
             self.fallback.index.insert(text, chosen.url)
@@ -156,13 +160,10 @@ class KVAwarePolicy(Policy):
         mine = self.predicted.get(url)
         if not mine:
             return held
-        for h, until in list(mine.items()):
-            if until < now:
-                del mine[h]
         size = f.block_sizes[url]
         predicted = 0
         for h in hashes[size]:
-            if h not in mine:
+            if mine.get(h, 0.0) < now:  # never sent there, or expired
                 break
             predicted += size
         return max(held, predicted)
