@@ -18,6 +18,7 @@ class FakeModelConfig:
     vocab_size: int = VOCAB
     context_length: int = 4096
     eos_token_ids: list[int] = field(default_factory=lambda: [EOS])
+    num_kv_heads: int = 1
 
 
 def reference_next(tokens: list[int]) -> int:

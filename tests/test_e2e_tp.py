@@ -1,7 +1,8 @@
 """Tensor-parallel servers (`--tp 3`: one scheduler process per rank) on the real model:
 outputs equal a single-rank server's, two TP servers switch roles and pair rank to rank
 with outputs equal to null mode (shm backend: every rank's pool in shared memory), a
-switch failing on one rank rolls all ranks back, a TP-size mismatch is refused clearly,
+switch failing on one rank rolls all ranks back, a TP-3 server pairs with a single-rank
+one both ways (M:N, KV heads gathered or sliced) with outputs equal to null mode,
 the router moves TP workers between pools under traffic with no failed request, and a
 dead rank takes the server down cleanly."""
 
@@ -115,18 +116,26 @@ def test_tp_servers_switch_pair_rank_to_rank_and_roll_back_on_one_rank(tp_pair, 
     assert status(a)["epoch"] == 3 and status(b)["epoch"] == 2
 
 
-def test_tp_size_mismatch_is_refused_clearly(tp_pair):
+def test_m_to_n_tp_pd_equals_null_both_ways(tp_pair, reference):
+    """A TP-3 prefill with a single-rank decode (3 -> 1: the decode rank gathers a KV head from each
+    prefill rank), then the roles swapped (1 -> 3: each decode rank reads its head of the single
+    prefill rank's pages): tokens equal a null server's."""
     _, b = tp_pair
     if status(b)["current_mode"] != "prefill":  # it is when the test above ran
         assert switch(b.url, "prefill").status_code == 200
-    single = Server("--torch-threads", "1", "--disaggregation-mode", "decode", "--disaggregation-transfer-backend",
-                    "shm")
+    single_port = free_port()
+    single = Server("--torch-threads", "1", "--enable-dynamic-disaggregation", "--disaggregation-mode", "decode",
+                    "--disaggregation-transfer-backend", "shm", "--disaggregation-bootstrap-port", str(single_port),
+                    "--enable-integrity-check")
+    single.bport = single_port
     try:
-        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": b.bport, "bootstrap_room": random.randrange(2**63)}
-        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 4}, **fields}
-        # the decode side checks the prefill topology before anything is sent
-        d = httpx.post(single.url + "/generate", json=body, timeout=300)
-        assert d.status_code >= 500 and "prefill TP size 3 != decode TP size 1" in d.text
+        for p in PROMPTS:
+            assert pd_gen(b, single, p) == reference[p]                   # 3 -> 1
+        assert switch(single.url, "prefill").status_code == 200
+        assert switch(b.url, "decode").status_code == 200
+        for p in PROMPTS:
+            assert pd_gen(single, b, p) == reference[p]                   # 1 -> 3
+        assert switch(b.url, "prefill").status_code == 200
     finally:
         single.stop()
 

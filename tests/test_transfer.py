@@ -417,12 +417,12 @@ def test_a_room_sent_to_a_prefill_that_left_goes_to_the_one_registered_after_it(
                                      "prefill", pair.server.port, FAST)
     (r2,) = make_reqs(pair, 1, random.Random(8))
     bootstrapped(pair, r2)
-    assert r2.receiver._impl._room.conn.prefill_id == old_id
+    assert [c.prefill_id for c in r2.receiver._impl._room.conns] == [old_id]
     client._next_heartbeat = 0.0
     client._wake.set()
     run(pair, [r2])
     assert_landed(pair, r2)
-    assert r2.receiver._impl._room.conn is None or r2.receiver._impl._room.conn.prefill_id == pair.prefill.id
+    assert all(c.prefill_id == pair.prefill.id for c in r2.receiver._impl._room.conns)
 
 
 # ---------------------------------------------------------------- isolation
@@ -486,7 +486,7 @@ def test_register_later_and_deregister_on_shutdown():
         manager.register(server.port)
         assert http_json("GET", addr, topo) == (200, {"prefill_attn_tp_size": 1, "prefill_dp_size": 1,
                                                       "prefill_pp_size": 1, "prefill_page_size": 4,
-                                                      "prefill_kv_dtype": "float16"})
+                                                      "prefill_kv_dtype": "float16", "prefill_num_kv_heads": HEADS})
         manager.shutdown()
         assert http_json("GET", addr, topo)[0] == 503
     finally:

@@ -19,6 +19,7 @@ from tidal.transfer import (
     create_kv_manager,
     poll_and_all_reduce,
 )
+from tidal.transfer.base import page_bytes
 from tidal.transfer.tcp import PagesFrame, TcpTransport
 
 pytestmark = pytest.mark.timeout(60)
@@ -93,7 +94,8 @@ def test_tcp_messages_are_size_layout_and_checksum_checked():
     tr = TcpTransport(KVArgs(0, pool, MetadataBuffers(2), 4, "float16"), "prefill")
     try:
         sink = RecordingSink()
-        page, block = tr.page_nbytes, tr.block_page_nbytes
+        page = page_bytes(pool, 4)
+        block = page // 4
         payload = np.arange(page, dtype=np.uint8) % 251
         blocks = [memoryview(payload[i : i + block]) for i in range(0, page, block)]
         good = {"room": 1, "prefill_id": "p", "dst_pages": np.array([3], np.int64).tobytes(), "nbytes": page,
@@ -111,5 +113,13 @@ def test_tcp_messages_are_size_layout_and_checksum_checked():
         assert sink.writes == [(1, [3])]
         landed = [b[12:16].reshape(-1).view(torch.uint8) for b in (pool.k_buffer[0], pool.v_buffer[0])]
         assert torch.cat(landed).numpy().tolist() == payload[: 2 * block].tolist()  # page 3 of K0, V0
+        half = [memoryview(payload[i : i + block // 2]) for i in range(0, page // 2, block // 2)]
+        tr.apply(sink, frame(nbytes=page // 2, crc=-1, head_start=1, num_heads=2), half)  # heads 1, 2 of 2
+        tr.apply(sink, frame(nbytes=page // 2, crc=-1, head_start=0, num_heads=2), half)  # all heads, half the size
+        assert sink.writes == [(1, [3])]
+        tr.apply(sink, frame(nbytes=page // 2, crc=-1, head_start=1, num_heads=1), half)  # head 1 only
+        assert sink.writes == [(1, [3]), (1, [3])]
+        k0 = pool.k_buffer[0][12:16].view(torch.uint8)  # [token, head, bytes]
+        assert k0[:, 1].reshape(-1).numpy().tolist() == payload[: block // 2].tolist()
     finally:
         tr.close()

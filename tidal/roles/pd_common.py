@@ -45,8 +45,9 @@ class TransferComponents:
         self.metadata = MetadataBuffers(METADATA_SLOTS_PER_RUNNING_REQ * args.max_running_requests + 16,
                                         args.max_logprobs)
         kv_args = KVArgs(
-            engine_rank=sched.tp.rank,  # TP rank r pairs with the partner server's rank r
+            engine_rank=sched.tp.rank,  # the partner may run another TP size: heads are sliced (transfer.heads)
             tp_size=sched.tp.size,
+            total_kv_heads=sched.runner.model_config.num_kv_heads,
             kv_pool=sched.runner.kv_pool,
             metadata=self.metadata,
             page_size=args.page_size,

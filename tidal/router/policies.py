@@ -11,7 +11,7 @@ import random
 from collections import OrderedDict
 from typing import Callable, Mapping, Optional, Sequence
 
-from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry, can_pair
+from tidal.router.workers import DECODE, NULL, PREFILL, Worker, WorkerRegistry
 
 POLICIES = ("random", "round_robin", "power_of_two", "cache_aware", "kv_aware")
 
@@ -222,13 +222,12 @@ def plan_route(registry: WorkerRegistry, policies: Mapping[str, Policy], text: s
         [w for w in registry.pool(mode) if admit is None or admit(w)] for mode in (PREFILL, DECODE, NULL))
     if enforce_disaggregation:
         nulls = []
-    pairable = [p for p in prefills if any(can_pair(p, d) for d in decodes)]
-    pd_ok = bool(pairable)
+    pd_ok = bool(prefills and decodes)  # any TP sizes pair: the transfer slices KV heads (tidal.transfer.heads)
     if nulls and pd_ok:
         pd_ok = min(w.load_score() for w in nulls) > min(w.load_score() for w in decodes)
     if pd_ok:
-        p = pick(policies, pairable, PREFILL, text, tried, tokens)
-        return "pd", p, pick(policies, [d for d in decodes if can_pair(p, d)], DECODE, text, tried, tokens)
+        p = pick(policies, prefills, PREFILL, text, tried, tokens)
+        return "pd", p, pick(policies, decodes, DECODE, text, tried, tokens)
     if nulls:
         return "whole", pick(policies, nulls, NULL, text, tried, tokens), None
     if decodes and not prefills and not enforce_disaggregation:

@@ -107,11 +107,6 @@ class Worker:
         return d
 
 
-def can_pair(prefill: Worker, decode: Worker) -> bool:
-    """tidal pairs prefill and decode TP ranks one to one: the TP sizes must match when known."""
-    return prefill.tp_size is None or decode.tp_size is None or prefill.tp_size == decode.tp_size
-
-
 class WorkerRegistry:
     """All workers known to the router; pools are views filtered by mode and health."""
 
@@ -159,8 +154,7 @@ class WorkerRegistry:
                 if w.mode == mode and not w.switching and (w.healthy or not healthy_only)]
 
     def has_pd_path(self) -> bool:
-        decodes = self.pool(DECODE)
-        return any(can_pair(p, d) for p in self.pool(PREFILL) for d in decodes)
+        return bool(self.pool(PREFILL)) and bool(self.pool(DECODE))
 
     def has_usable_path(self, enforce_disaggregation: bool = False) -> bool:
         """A healthy prefill+decode pair, or (unless enforced) a worker that takes whole requests."""

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from tidal.kvcache.kv_pool import MHATokenToKVPool
+from tidal.transfer.heads import HeadLayout, HeadSlice
 from tidal.transfer.metadata import MetadataBuffers
 from tidal.transfer.poll import KVPoll
 
@@ -37,6 +38,10 @@ class KVArgs:
     dp_size: int = 1
     pp_size: int = 1
     bootstrap_key: Optional[str] = None  # sent with PUT/DELETE /route (the bootstrap server's key)
+    total_kv_heads: int = 0  # the model's KV heads; 0: this pool's heads times tp_size (none replicated)
+
+    def head_layout(self) -> HeadLayout:
+        return HeadLayout(self.total_kv_heads or self.kv_pool.num_kv_heads * self.tp_size, self.tp_size)
 
 
 def _env_float(names: tuple[str, ...], default: float) -> float:
@@ -135,6 +140,9 @@ class Peer:
     decode_id: str
     endpoint: str  # its control inbox
     info: dict  # what its transport's local_info() returned
+    heads: HeadSlice  # which of this rank's KV heads go where in that decode rank's pool
+    rank: int = 0  # its TP rank
+    readers: int = 1  # how many ranks of its server this prefill rank sends each request to
 
 
 class DecodeSink(Protocol):
@@ -293,7 +301,53 @@ def layout_of(args: KVArgs) -> dict:
         "head_dim": pool.head_dim,
         "dtype": str(pool.dtype),
         "page_size": args.page_size,
+        "total_kv_heads": args.head_layout().total_heads,
+        "tp_size": args.tp_size,
+        "tp_rank": args.engine_rank,
     }
+
+
+_SAME_ACROSS_RANKS = ("num_layers", "head_dim", "dtype", "page_size", "total_kv_heads")
+
+
+def layout_problem(prefill: dict, decode: dict) -> Optional[str]:
+    """Why pages of a prefill rank with this layout cannot land in a decode rank's, or None.
+    The TP sizes may differ: heads are sliced or gathered (tidal.transfer.heads)."""
+    for layout in (prefill, decode):
+        layout.setdefault("tp_size", 1)
+        layout.setdefault("tp_rank", 0)
+        layout.setdefault("total_kv_heads", layout.get("num_kv_heads", 0) * layout["tp_size"])
+    differ = [k for k in _SAME_ACROSS_RANKS if prefill.get(k) != decode.get(k)]
+    if differ:
+        return "KV layout mismatch: " + ", ".join(f"{k} prefill {prefill.get(k)} decode {decode.get(k)}" for k in differ)
+    return None
+
+
+def head_bytes(pool: MHATokenToKVPool) -> int:
+    return pool.head_dim * pool.k_buffer[0].element_size()
+
+
+def sliced_nbytes(num_pages: int, pool: MHATokenToKVPool, page_size: int, heads: HeadSlice) -> int:
+    """Bytes of num_pages pages across every layer, K and V, for the slice's heads."""
+    return num_pages * page_size * 2 * pool.num_layers * heads.count * head_bytes(pool)
+
+
+def head_pieces(src: np.ndarray, dst: np.ndarray, heads: HeadSlice, page_size: int,
+                head_nbytes: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """For one-sided backends: (source offsets, destination offsets, bytes of each) of the
+    contiguous pieces of pages src -> dst within one layer's K or V buffer, for the
+    slice's heads: one piece per token, since a token's heads are contiguous but its page
+    holds others."""
+    tokens = np.arange(page_size, dtype=np.int64)
+    s = (src.astype(np.int64)[:, None] * page_size + tokens) * (heads.src_heads * head_nbytes)
+    d = (dst.astype(np.int64)[:, None] * page_size + tokens) * (heads.dst_heads * head_nbytes)
+    return (s.ravel() + heads.src_start * head_nbytes, d.ravel() + heads.dst_start * head_nbytes,
+            heads.count * head_nbytes)
+
+
+def head_view(view: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """A page view [page, page_size, kv_head, head_dim] narrowed to heads [start, start + count)."""
+    return view if start == 0 and count == view.shape[2] else view[:, :, start : start + count]
 
 
 def page_bytes(pool: MHATokenToKVPool, page_size: int) -> int:

@@ -2,10 +2,13 @@
 socket moving the same bytes.
 
     python -m tidal.transfer.bench_bandwidth [--mb 256] [--page-size 16] [--shuffle] [--backends shm,tcp,...]
+                                             [--tp 1:1,1:3,3:1]
 
-Each backend moves one request's pages (init -> both sides Success) between a prefill
-and a decode manager in this process, through a real bootstrap server. The default
-KV shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64, bfloat16).
+Each backend moves one request's pages (init -> every side Success) between a prefill
+and a decode server in this process, through a real bootstrap server: with `--tp M:N`
+the prefill has M rank managers and the decode N (each with its share of the KV heads,
+as TP servers hold them), and the bytes counted are the model's KV once. The default KV
+shape is SmolLM2-135M's (30 layers, 3 KV heads, head_dim 64, bfloat16).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import numpy as np
 import torch
 
 from tidal.kvcache.kv_pool import MHATokenToKVPool
+from tidal.transfer.heads import HeadLayout
 from tidal.transfer import (
     BootstrapServer,
     KVArgs,
@@ -87,46 +91,56 @@ def bench_socket(nbytes: int, runs: int) -> float:
 
 
 class BackendBench:
-    def __init__(self, backend: str, a: argparse.Namespace, num_pages: int):
+    def __init__(self, backend: str, a: argparse.Namespace, num_pages: int, m: int = 1, n: int = 1):
         self.backend, self.num_pages, self.ps = backend, num_pages, a.page_size
         self.shuffle = a.shuffle
-        tokens = num_pages * a.page_size
-        shape = (tokens, a.page_size, torch.bfloat16, a.layers, a.kv_heads, a.head_dim)
-        self.ppool = MHATokenToKVPool(*shape)
-        for buf in self.ppool.k_buffer + self.ppool.v_buffer:
-            buf.copy_(torch.randn(buf.shape, dtype=torch.bfloat16))
-        shm = f"tidal_bench_{uuid.uuid4().hex[:8]}" if backend == "shm" else None
-        self.dpool = MHATokenToKVPool(*shape, shm_name=shm)
-        for buf in self.dpool.k_buffer + self.dpool.v_buffer:
-            buf.zero_()  # fault the destination pages in, as a running decode pool would be
         self.server = BootstrapServer("127.0.0.1", 0)
         self.server.start()
         self.addr = f"127.0.0.1:{self.server.port}"
         cfg = TransferConfig(transfer_threads=1)
-        self.prefill = create_kv_manager(backend, KVArgs(0, self.ppool, MetadataBuffers(4), a.page_size, "bfloat16"),
-                                         "prefill", self.server.port, cfg)
-        self.decode = create_kv_manager(backend, KVArgs(0, self.dpool, MetadataBuffers(4), a.page_size, "bfloat16"),
-                                        "decode", None, cfg)
+        tokens = num_pages * a.page_size
+        self.ppools, self.dpools, self.prefill, self.decode = [], [], [], []
+        for side, size in (("prefill", m), ("decode", n)):
+            layout = HeadLayout(a.kv_heads, size)
+            for rank in range(size):
+                heads = len(layout.heads_of(rank))
+                shape = (tokens, a.page_size, torch.bfloat16, a.layers, heads, a.head_dim)
+                shm = f"tidal_bench_{uuid.uuid4().hex[:8]}" if backend == "shm" and side == "decode" else None
+                pool = MHATokenToKVPool(*shape, shm_name=shm)
+                for buf in pool.k_buffer + pool.v_buffer:  # fault the pages in, as a running pool's are
+                    buf.copy_(torch.randn(buf.shape, dtype=torch.bfloat16)) if side == "prefill" else buf.zero_()
+                args = KVArgs(rank, pool, MetadataBuffers(4), a.page_size, "bfloat16", tp_size=size,
+                              total_kv_heads=a.kv_heads)
+                port = self.server.port if side == "prefill" else None
+                (self.ppools if side == "prefill" else self.dpools).append(pool)
+                (self.prefill if side == "prefill" else self.decode).append(create_kv_manager(backend, args, side,
+                                                                                              port, cfg))
         self.room = 0
 
     def once(self) -> float:
         self.room += 1
-        s, r = KVSender(self.prefill, self.addr, self.room), KVReceiver(self.decode, self.addr, self.room)
-        _wait(lambda: r.poll() == KVPoll.WaitingForInput, r)
+        ss = [KVSender(m, self.addr, self.room) for m in self.prefill]
+        rs = [KVReceiver(m, self.addr, self.room) for m in self.decode]
+        _wait(lambda: all(r.poll() == KVPoll.WaitingForInput for r in rs), *rs)
         pages = np.arange(1, self.num_pages, dtype=np.int64)
-        r.init(np.random.permutation(pages) if self.shuffle else pages, 0)
-        _wait(lambda: s.poll() == KVPoll.WaitingForInput, s)
-        self.prefill.args.metadata.set(0, MetadataRecord(output_id=1, bootstrap_room=self.room))
+        dst = np.random.permutation(pages) if self.shuffle else pages
+        for r in rs:
+            r.init(dst, 0)
+        _wait(lambda: all(s.poll() == KVPoll.WaitingForInput for s in ss), *ss)
+        for m in self.prefill:
+            m.args.metadata.set(0, MetadataRecord(output_id=1, bootstrap_room=self.room))
         t = time.perf_counter()
-        s.init(len(pages), 0)
-        s.send(pages, is_last=True)
-        _wait(lambda: s.poll() == KVPoll.Success and r.poll() == KVPoll.Success, s, r)
+        for s in ss:
+            s.init(len(pages), 0)
+            s.send(pages, is_last=True)
+        _wait(lambda: all(x.poll() == KVPoll.Success for x in ss + rs), *ss, *rs)
         return time.perf_counter() - t
 
     def close(self) -> None:
-        self.decode.shutdown()
-        self.prefill.shutdown()
-        self.dpool.close()
+        for m in self.decode + self.prefill:
+            m.shutdown()
+        for pool in self.dpools:
+            pool.close()
         self.server.stop()
 
 
@@ -151,7 +165,9 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--backends", default="shm,tcp,mooncake,nixl")
     p.add_argument("--shuffle", action="store_true", help="scatter the destination pages at random")
+    p.add_argument("--tp", default="1:1", help="prefill:decode TP sizes, comma-separated (e.g. 1:1,1:3,3:1)")
     a = p.parse_args()
+    sizes = [tuple(int(x) for x in pair.split(":")) for pair in a.tp.split(",") if pair]
     page_bytes = 2 * a.layers * a.kv_heads * a.head_dim * 2 * a.page_size
     num_pages = max(2, int(a.mb * (1 << 20) // page_bytes) + 1)  # +1: page 0 is the dummy page
     nbytes = (num_pages - 1) * page_bytes
@@ -159,18 +175,20 @@ def main() -> None:
     order = "shuffled" if a.shuffle else "contiguous"
     print(f"{nbytes / 2**20:.0f} MiB per transfer, {num_pages - 1} {order} pages of {a.page_size} tokens, "
           f"best of {a.runs}")
-    print(f"{'torch memcpy':<22}{gbs(bench_memcpy(nbytes, a.runs)):8.2f} GB/s")
-    print(f"{'loopback TCP socket':<22}{gbs(bench_socket(nbytes, a.runs)):8.2f} GB/s")
+    print(f"{'torch memcpy':<28}{gbs(bench_memcpy(nbytes, a.runs)):8.2f} GB/s")
+    print(f"{'loopback TCP socket':<28}{gbs(bench_socket(nbytes, a.runs)):8.2f} GB/s")
     for backend in [b for b in a.backends.split(",") if b]:
         if backend in OPTIONAL and importlib.util.find_spec(OPTIONAL[backend]) is None:
-            print(f"{backend:<22}{'not installed':>13}")
+            print(f"{backend:<28}{'not installed':>13}")
             continue
-        bench = BackendBench(backend, a, num_pages)
-        try:
-            bench.once()  # warm-up: handshakes, mappings, connections
-            print(f"{backend + ' backend':<22}{gbs(best_of(a.runs, bench.once)):8.2f} GB/s")
-        finally:
-            bench.close()
+        for m, n in sizes:
+            bench = BackendBench(backend, a, num_pages, m, n)
+            try:
+                bench.once()  # warm-up: handshakes, mappings, connections
+                label = f"{backend} backend" + (f" TP {m}->{n}" if (m, n) != (1, 1) or len(sizes) > 1 else "")
+                print(f"{label:<28}{gbs(best_of(a.runs, bench.once)):8.2f} GB/s")
+            finally:
+                bench.close()
 
 
 if __name__ == "__main__":

@@ -4,11 +4,13 @@ and the decode side's client of it: lookups and heartbeats in one background thr
 Routes (PUT and DELETE /route need `Authorization: Bearer KEY` when the server has a key,
 401 otherwise: only the ranks of the server that owns it can (re)point its rooms):
   PUT /route      a prefill rank registers {role, rank_ip, rank_port, engine_rank,
-                  tp_size, dp_size, pp_size, page_size, kv_dtype, [dp_group, pp_rank, prefill_id]}
+                  tp_size, dp_size, pp_size, page_size, kv_dtype, [dp_group, pp_rank, prefill_id,
+                  num_kv_heads (the model's)]}
   DELETE /route   ?engine_rank&target_dp_group&target_pp_rank[&prefill_id]: deregister
   GET /route      engine_rank=-1&target_dp_group=-1&target_pp_rank=-1: the topology
                   {prefill_attn_tp_size, prefill_dp_size, prefill_pp_size, prefill_page_size,
-                  prefill_kv_dtype}; otherwise one rank's {rank_ip, rank_port, prefill_id}.
+                  prefill_kv_dtype[, prefill_num_kv_heads]}; otherwise one rank's
+                  {rank_ip, rank_port, prefill_id}.
                   400 bad query, 404 unknown rank, 503 nothing registered yet.
   GET /health
   POST /heartbeat {decode_id, [endpoint]} -> {status, prefill_ids}; open, so the peers it
@@ -23,16 +25,19 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from aiohttp import web
 
 from tidal.transfer.common import http_json
+from tidal.transfer.heads import HeadLayout, HeadSlice, sources, split_problem
 
 logger = logging.getLogger(__name__)
 
 _REQUIRED = {"rank_ip": str, "rank_port": int, "engine_rank": int}
-_OPTIONAL_INT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1, "dp_group": 0, "pp_rank": 0}
+_OPTIONAL_INT = {"tp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1, "dp_group": 0, "pp_rank": 0,
+                 "num_kv_heads": 0}
 
 
 def _parse_registration(body: Any) -> dict:
@@ -218,6 +223,8 @@ class BootstrapServer:
                 "prefill_page_size": reg["page_size"],
                 "prefill_kv_dtype": reg["kv_dtype"],
             }
+            if reg["num_kv_heads"]:
+                self._topology["prefill_num_kv_heads"] = reg["num_kv_heads"]
         return web.json_response({"status": "ok"})
 
     async def _get_route(self, request: web.Request) -> web.Response:
@@ -278,10 +285,22 @@ class BootstrapServer:
 # ---------------------------------------------------------------- decode-side client
 
 
-class Target:
-    """Where one prefill bootstrap address leads; resolved by BootstrapClient's thread.
+@dataclass(frozen=True)
+class Leg:
+    """One prefill rank a decode rank reads from, and the heads it reads."""
 
-    state: "pending" -> "ready" (endpoint, prefill_id set) | "failed" (error set).
+    rank: int
+    endpoint: str
+    prefill_id: str
+    heads: HeadSlice
+
+
+class Target:
+    """Where one prefill bootstrap address leads: the prefill ranks this decode rank
+    reads from (one when both sides run the same TP size); resolved by BootstrapClient's
+    thread.
+
+    state: "pending" -> "ready" (legs set) | "failed" (error set).
     Readers in other threads only look at `state` and the fields it guards.
     """
 
@@ -289,8 +308,7 @@ class Target:
         self.addr = addr
         self.state = "pending"
         self.error: Optional[str] = None
-        self.endpoint: Optional[str] = None
-        self.prefill_id = ""
+        self.legs: list[Leg] = []
         self.deadline = deadline
         self.next_try = 0.0
         self.backoff = 0.05
@@ -305,13 +323,13 @@ class BootstrapClient:
     HTTP_TIMEOUT = 1.0
 
     def __init__(self, decode_id: str, endpoint: str, page_size: int, kv_dtype: str, engine_rank: int,
-                 config, on_ready, on_lost, tp_size: int = 1):
+                 config, on_ready, on_lost, heads: Optional[HeadLayout] = None):
         self.decode_id = decode_id
         self.endpoint = endpoint
         self.page_size = page_size
         self.kv_dtype = kv_dtype
         self.engine_rank = engine_rank
-        self.tp_size = tp_size
+        self.heads = heads  # this decode server's; None: one rank, whatever prefill has
         self.config = config
         self._on_ready = on_ready  # (Target) -> None
         self._on_lost = on_lost  # (Target, reason, replaced: another prefill registered at its address) -> None
@@ -365,11 +383,9 @@ class BootstrapClient:
                 refusal = self._refusal(topo)
                 if refusal:
                     return self._fail(t, refusal)
-                rank = self.engine_rank
-                status, reg = http_json("GET", t.addr, f"/route?engine_rank={rank}&target_dp_group=0&target_pp_rank=0",
-                                        timeout=self.HTTP_TIMEOUT)
+                status, legs = self._legs(t, topo)
             if status == 200:
-                return self._ready(t, reg)
+                return self._ready(t, legs)
             if status not in (503, 404):
                 return self._fail(t, f"bootstrap server {t.addr} answered HTTP {status}: {topo if status else ''}")
             why = f"no prefill rank registered at bootstrap server {t.addr}"
@@ -389,13 +405,36 @@ class BootstrapClient:
         if kv_dtype != self.kv_dtype:
             return f"refusing to pair: prefill kv dtype {kv_dtype!r} != decode kv dtype {self.kv_dtype!r}"
         tp = topo.get("prefill_attn_tp_size", 1)
-        if tp != self.tp_size:  # each rank holds different KV heads: ranks pair one to one
-            return f"refusing to pair: prefill TP size {tp} != decode TP size {self.tp_size}"
+        total = self._total_heads(topo)
+        theirs = topo.get("prefill_num_kv_heads")
+        if theirs is not None and theirs != total:
+            return f"refusing to pair: prefill serves a model with {theirs} KV heads, decode {total}"
+        problem = split_problem(total, tp) if isinstance(tp, int) else f"bad TP size {tp!r}"
+        if problem:  # no slicing of heads serves this pair
+            return f"refusing to pair: prefill TP size {tp}: {problem}"
         return None
 
-    def _ready(self, t: Target, reg: dict) -> None:
-        t.endpoint = f"tcp://{reg['rank_ip']}:{reg['rank_port']}"
-        t.prefill_id = str(reg.get("prefill_id", t.endpoint))
+    def _total_heads(self, topo: dict) -> int:
+        if self.heads is not None:
+            return self.heads.total_heads
+        return topo.get("prefill_num_kv_heads") or topo.get("prefill_attn_tp_size", 1)
+
+    def _legs(self, t: Target, topo: dict) -> tuple[int, Any]:
+        """(200, the legs) once every prefill rank this decode rank reads from is registered; else (status, why)."""
+        prefill = HeadLayout(self._total_heads(topo), topo.get("prefill_attn_tp_size", 1))
+        decode = self.heads or HeadLayout(prefill.total_heads, 1)
+        legs = []
+        for rank, heads in sources(prefill, decode, self.engine_rank).items():
+            status, reg = http_json("GET", t.addr, f"/route?engine_rank={rank}&target_dp_group=0&target_pp_rank=0",
+                                    timeout=self.HTTP_TIMEOUT)
+            if status != 200:
+                return status, reg
+            endpoint = f"tcp://{reg['rank_ip']}:{reg['rank_port']}"
+            legs.append(Leg(rank, endpoint, str(reg.get("prefill_id", endpoint)), heads))
+        return 200, legs
+
+    def _ready(self, t: Target, legs: list[Leg]) -> None:
+        t.legs = legs
         t.state = "ready"
         self._on_ready(t)
 
@@ -417,10 +456,11 @@ class BootstrapClient:
             except OSError as e:
                 status, resp = 0, {"error": str(e)}
             registered = resp.get("prefill_ids", []) if status == 200 else []
-            if status == 200 and t.prefill_id not in registered:
+            gone = [leg.prefill_id for leg in t.legs if leg.prefill_id not in registered]
+            if status == 200 and gone:
                 # another prefill registered here (the server left prefill and came back): it
                 # takes over the rooms the gone one never started
-                self._lose(t, f"prefill {t.prefill_id} is no longer registered at {t.addr}", replaced=bool(registered))
+                self._lose(t, f"prefill {gone[0]} is no longer registered at {t.addr}", replaced=bool(registered))
             elif status == 200:
                 t.misses = 0
             else:

@@ -1,13 +1,15 @@
 """Decode side of the common transfer layer: the room table, the prefill rank
 connections, the control handlers, and the receiver the scheduler drives.
 
-A room is Bootstrapping until its prefill rank is resolved (BootstrapClient) and has
-answered our Hello, then WaitingForInput; init() sends TransferInfo (the destination
-pages) and makes it Transferring; RoomDone (every page written, with the metadata
-record) makes it Success and is acknowledged with RoomAck.
+A room is Bootstrapping until the prefill ranks it reads from (its legs: one when both
+sides run the same TP size, several when prefill has more ranks; tidal.transfer.heads)
+are resolved (BootstrapClient) and have answered our Hello, then WaitingForInput; init()
+sends TransferInfo (the destination pages) to every leg and makes it Transferring; a
+RoomDone from every leg (each wrote its heads of every page; it carries the metadata
+record) makes it Success, acknowledged to every leg with RoomAck.
 
-A failed room whose destination prefill may still write into (one-sided backends)
-keeps reporting Transferring until prefill's RoomFailed fences it, or `abort_grace`
+A failed room whose legs may still write into its pages (one-sided backends) keeps
+reporting Transferring until each such leg's RoomFailed fences it, or `abort_grace`
 passes, so the scheduler never frees pages that are still being written.
 """
 
@@ -47,7 +49,7 @@ from tidal.transfer.common import (
     decode_msg,
     split_addr,
 )
-from tidal.transfer.metadata import decode_record
+from tidal.transfer.metadata import MetadataRecord, decode_record
 from tidal.transfer.poll import TERMINAL_POLLS, KVPoll
 
 logger = logging.getLogger(__name__)
@@ -81,13 +83,19 @@ class ReceiverRoom:
         self.init_at: Optional[float] = None
         self.failed_at = 0.0
         self.target: Optional[Target] = None
-        self.conn: Optional[RankConn] = None
+        self.conns: list[RankConn] = []  # one per leg, once every leg is ready
+        self.done: set[str] = set()  # prefill ids whose RoomDone arrived
+        self.record: Optional[MetadataRecord] = None  # the first leg's
         self.dst: Optional[np.ndarray] = None
         self.metadata_index = -1
         self.info_sent = False
-        self.fenced = True
+        self.unfenced: set[str] = set()  # after a failure: legs that may still write
         self.writing = 0
         self.doomed = doomed
+
+    @property
+    def fenced(self) -> bool:
+        return not self.unfenced
 
 
 class DecodeSide:
@@ -112,7 +120,7 @@ class DecodeSide:
         self.control = control
         self.client = BootstrapClient(self.decode_id, control.endpoint, self.args.page_size, self.args.kv_dtype,
                                       self.args.engine_rank, self.config, self._on_target_ready, self._on_target_lost,
-                                      tp_size=self.args.tp_size)
+                                      heads=self.args.head_layout())
 
     # ---- scheduler thread
 
@@ -139,7 +147,7 @@ class DecodeSide:
         if st.doomed and st.status not in TERMINAL_POLLS and st.status != KVPoll.Bootstrapping:
             self.fail(st, "injected failure (TIDAL_DISAGG_TEST_FAILURE_PROB)")  # the partner is known: told
         if st.status == KVPoll.Failed and not st.fenced:
-            return KVPoll.Transferring  # prefill may still write into the pages
+            return KVPoll.Transferring  # a prefill rank may still write into the pages
         return st.status
 
     def init(self, st: ReceiverRoom, pages: np.ndarray, metadata_index: int) -> None:
@@ -156,55 +164,61 @@ class DecodeSide:
             return self.fail(st, f"init(): {problem}")
         self._advance(st, st.init_at)
 
-    def fail(self, st: ReceiverRoom, reason: str, from_prefill: bool = False) -> None:
+    def fail(self, st: ReceiverRoom, reason: str, from_prefill: Optional[str] = None) -> None:
+        """from_prefill: the prefill id of the leg that failed the room (it will not write again)."""
         with self._lock:
-            if st.status == KVPoll.Failed and from_prefill:
-                return self._fence(st)
+            if st.status == KVPoll.Failed and from_prefill is not None:
+                st.unfenced.discard(from_prefill)
+                if st.fenced:
+                    self._drop(st)
+                return
             if st.status in TERMINAL_POLLS:
                 return
             during_bootstrap = st.status == KVPoll.Bootstrapping
             st.status, st.reason, st.failed_at = KVPoll.Failed, reason, time.monotonic()
             guarded = self.transport is not None and self.transport.guarded and st.writing == 0
-            st.fenced = from_prefill or not st.info_sent or guarded
+            if st.info_sent and not guarded:
+                st.unfenced = {c.prefill_id for c in st.conns} - st.done - {from_prefill}
             if st.fenced:
                 self._drop(st)
-            tell = None if from_prefill else self._partner_endpoint(st, reason)
+            tell = self._partner_endpoints(st, reason, skip=from_prefill)
         self.stats.add_failure(during_bootstrap)
         logger.info("decode room %s failed: %s", st.room, reason)
-        if tell is not None:
-            self._tell_abort(tell, st.room, reason)
+        for endpoint in tell:
+            self._tell_abort(endpoint, st.room, reason)
 
-    def _partner_endpoint(self, st: ReceiverRoom, reason: str) -> Optional[str]:
-        """Lock held. Where to tell the prefill that `st` failed: its connection's endpoint, else that of its
-        resolved target (a room that fails while the Hello is still unanswered; the prefill fails the room, or
-        tombstones it until the request reaches it). A target still being looked up is told once it resolves.
+    def _partner_endpoints(self, st: ReceiverRoom, reason: str, skip: Optional[str] = None) -> list[str]:
+        """Lock held. Where to tell the prefill ranks that `st` failed: its connections, else the legs of its
+        resolved target (a room that fails while a Hello is still unanswered; each prefill rank fails the room,
+        or tombstones it until the request reaches it). A target still being looked up is told once it resolves.
         Without this a request aborted on decode in its first milliseconds held its prefill server's room until
         the prefill's bootstrap timeout (30 s)."""
-        if st.conn is not None and st.conn.state == "ready":
-            return st.conn.endpoint
+        if st.conns:
+            return [c.endpoint for c in st.conns if c.state == "ready" and c.prefill_id != skip]
         t = st.target
         if t is None or t.state == "failed":
-            return None
-        if t.state == "ready" and t.endpoint:
-            return t.endpoint
+            return []
+        if t.state == "ready":
+            return [leg.endpoint for leg in t.legs if leg.prefill_id != skip]
         self._untold[st.room] = (t, reason, time.monotonic())
-        return None
+        return []
 
     def _tell_untold(self, t: Target) -> None:
-        """Tells the prefill behind `t`, now resolved, of the rooms that failed while it was looked up."""
+        """Tells the prefill ranks behind `t`, now resolved, of the rooms that failed while it was looked up."""
         with self._lock:
             rooms = [(room, reason) for room, (target, reason, _) in self._untold.items() if target is t]
             for room, _ in rooms:
                 del self._untold[room]
         for room, reason in rooms:
-            self._tell_abort(t.endpoint, room, reason)
+            for leg in t.legs:
+                self._tell_abort(leg.endpoint, room, reason)
 
     def _tell_abort(self, endpoint: str, room: int, reason: str) -> None:
         self._send(endpoint, AbortRoom(room=room, decode_id=self.decode_id, endpoint=self.control.endpoint,
                                        reason=reason))
 
     def _fence(self, st: ReceiverRoom) -> None:
-        st.fenced = True
+        st.unfenced.clear()
         self._drop(st)
 
     def _drop(self, st: ReceiverRoom) -> None:
@@ -239,14 +253,16 @@ class DecodeSide:
         if t is not None and t.state == "failed":
             error = t.error
         elif t is not None and t.state == "ready":
-            conn = self._conns.get(t.endpoint)
-            if conn is not None and conn.prefill_id == t.prefill_id and conn.state == "ready":
+            conns = [self._conns.get(leg.endpoint) for leg in t.legs]
+            if all(c is not None and c.prefill_id == leg.prefill_id and c.state == "ready"
+                   for c, leg in zip(conns, t.legs, strict=True)):
                 with self._lock:
                     if st.status == KVPoll.Bootstrapping:
-                        st.conn, st.status = conn, KVPoll.WaitingForInput
+                        st.conns, st.status = conns, KVPoll.WaitingForInput
                 return
-            if conn is not None and conn.state == "failed":
-                error = f"prefill {t.addr} refused to pair: {conn.error}"
+            refused = next((c for c in conns if c is not None and c.state == "failed"), None)
+            if refused is not None:
+                error = f"prefill {t.addr} refused to pair: {refused.error}"
         if error is None and now - st.created > self.config.bootstrap_timeout:
             why = f" ({t.why})" if t is not None and t.why else ""
             error = f"bootstrap timeout: prefill at {st.addr} not reached after {self.config.bootstrap_timeout}s{why}"
@@ -261,7 +277,8 @@ class DecodeSide:
             st.status = KVPoll.Transferring
         msg = TransferInfo(room=st.room, decode_id=self.decode_id, endpoint=self.control.endpoint,
                            dst_pages=st.dst.tobytes(), metadata_index=st.metadata_index)
-        self._send(st.conn.endpoint, msg)
+        for conn in st.conns:
+            self._send(conn.endpoint, msg)
 
     def _send(self, endpoint: str, msg: WireMsg) -> None:
         if self.control is not None:
@@ -271,14 +288,16 @@ class DecodeSide:
 
     def _on_target_ready(self, t: Target) -> None:
         self._tell_untold(t)
-        with self._lock:
-            conn = self._conns.get(t.endpoint)
-            if conn is not None and conn.prefill_id == t.prefill_id and conn.state != "failed":
-                return
-            self._conns[t.endpoint] = RankConn(t.endpoint, t.prefill_id)
-        hello = Hello(decode_id=self.decode_id, endpoint=self.control.endpoint, layout=layout_of(self.args),
-                      info=self.transport.local_info())
-        self._send(t.endpoint, hello)
+        hello = None
+        for leg in t.legs:
+            with self._lock:
+                conn = self._conns.get(leg.endpoint)
+                if conn is not None and conn.prefill_id == leg.prefill_id and conn.state != "failed":
+                    continue
+                self._conns[leg.endpoint] = RankConn(leg.endpoint, leg.prefill_id)
+            hello = hello or Hello(decode_id=self.decode_id, endpoint=self.control.endpoint,
+                                   layout=layout_of(self.args), info=self.transport.local_info())
+            self._send(leg.endpoint, hello)
 
     def _on_target_lost(self, t: Target, reason: str, replaced: bool = False) -> None:
         """The prefill behind t left. Where another registered at its address, its rooms start
@@ -287,8 +306,8 @@ class DecodeSide:
         endpoint; after a crash the successor writes every page again."""
         with self._lock:
             live = [st for st in self._rooms.values() if st.target is t and st.status not in TERMINAL_POLLS]
-            conn = self._conns.pop(t.endpoint, None) if t.endpoint else None
-            moved = [st for st in live if replaced and st.writing == 0 and not self._closed]
+            conns = [c for c in (self._conns.pop(leg.endpoint, None) for leg in t.legs) if c is not None]
+            moved = [st for st in live if replaced and st.writing == 0 and not st.done and not self._closed]
             for st in moved:
                 self._restart_bootstrap(st)
         for st in live:
@@ -296,13 +315,13 @@ class DecodeSide:
                 self.fail(st, reason)
         if moved:
             logger.info("%s; %d waiting room(s) go to the prefill now registered there", reason, len(moved))
-        if conn is not None:
+        for conn in conns:
             self.control.disconnect(conn.endpoint)
 
     def _restart_bootstrap(self, st: ReceiverRoom) -> None:
         """Lock held: the room looks its prefill up again; its pages and deadlines stay."""
         st.target = self.client.target(st.addr)
-        st.status, st.conn, st.info_sent = KVPoll.Bootstrapping, None, False
+        st.status, st.conns, st.info_sent = KVPoll.Bootstrapping, [], False
 
     # ---- control thread (and the tcp receive thread for in-band completions)
 
@@ -321,12 +340,12 @@ class DecodeSide:
 
     def _partner(self, room: int, prefill_id: str) -> Optional[ReceiverRoom]:
         st = self._rooms.get(room)
-        if st is None or st.conn is None or st.conn.prefill_id != prefill_id:
+        if st is None or all(c.prefill_id != prefill_id for c in st.conns):
             return None
         return st
 
     def _on_done(self, msg: RoomDone) -> None:
-        problem = None
+        problem, landed = None, False
         with self._lock:
             st = self._partner(msg.room, msg.prefill_id)
             if st is not None and st.status != KVPoll.Transferring:
@@ -334,19 +353,22 @@ class DecodeSide:
             if st is None:
                 conn = next((c for c in self._conns.values() if c.prefill_id == msg.prefill_id), None)
             else:
-                problem, conn = self._complete(st, msg), st.conn
+                problem = self._leg_done(st, msg)
+                landed = problem is None and st.status == KVPoll.Success
         if st is None:
             if conn is not None:  # tell that prefill so its room fails now rather than at its timeout
                 self._tell_abort(conn.endpoint, msg.room, "unknown room on decode")
         elif problem:
             self.fail(st, problem)
-        else:
+        elif landed:
             self.stats.add_bytes(len(st.dst) * page_bytes(self.args.kv_pool, self.args.page_size))
             self.stats.add_success(time.monotonic() - (st.init_at or st.created))
-            self._send(conn.endpoint, RoomAck(room=msg.room, decode_id=self.decode_id))
+            for conn in st.conns:
+                self._send(conn.endpoint, RoomAck(room=msg.room, decode_id=self.decode_id))
 
-    def _complete(self, st: ReceiverRoom, msg: RoomDone) -> Optional[str]:
-        """Lock held. Writes the metadata record; None on success, else what is wrong."""
+    def _leg_done(self, st: ReceiverRoom, msg: RoomDone) -> Optional[str]:
+        """Lock held. One leg finished; once every leg has, writes the metadata record and
+        the room succeeds. None unless something is wrong."""
         try:
             record = decode_record(msg.metadata)
         except Exception as e:
@@ -355,8 +377,14 @@ class DecodeSide:
             return f"metadata is for room {record.bootstrap_room}, not {st.room}"
         if msg.num_pages != len(st.dst):
             return f"prefill wrote {msg.num_pages} pages, decode expected {len(st.dst)}"
+        if st.record is not None and record.output_id != st.record.output_id:
+            return f"prefill ranks disagree on the first token ({st.record.output_id} vs {record.output_id})"
+        st.done.add(msg.prefill_id)
+        st.record = st.record or record
+        if len(st.done) < len(st.conns):
+            return None
         try:
-            self.args.metadata.set(st.metadata_index, record)
+            self.args.metadata.set(st.metadata_index, st.record)
         except (ValueError, IndexError) as e:
             return f"metadata record does not fit this decode's slots: {e}"
         st.status = KVPoll.Success
@@ -367,7 +395,7 @@ class DecodeSide:
         with self._lock:
             st = self._partner(msg.room, msg.prefill_id)
         if st is not None:
-            self.fail(st, f"prefill failed the transfer: {msg.reason}", from_prefill=True)
+            self.fail(st, f"prefill failed the transfer: {msg.reason}", from_prefill=msg.prefill_id)
 
     def _on_hello_ack(self, msg: HelloAck) -> None:
         with self._lock:

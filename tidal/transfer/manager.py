@@ -96,6 +96,7 @@ class KVManager(BaseKVManager):
             "role": "Prefill", "rank_ip": self._host, "rank_port": self._control.port,
             "engine_rank": a.engine_rank, "tp_size": a.tp_size, "dp_size": a.dp_size, "pp_size": a.pp_size,
             "page_size": a.page_size, "kv_dtype": a.kv_dtype, "prefill_id": self.id,
+            "num_kv_heads": a.head_layout().total_heads,
         }
 
     def register(self, bootstrap_port: int) -> None:

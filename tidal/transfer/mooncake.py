@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from tidal.transfer.base import KVArgs, Peer, Transport, page_bytes, page_runs
+from tidal.transfer.base import KVArgs, Peer, Transport, head_bytes, head_pieces, page_runs, sliced_nbytes
 from tidal.transfer.common import advertised_host
 
 try:
@@ -42,7 +42,7 @@ class MooncakeTransport(Transport):
 
     def __init__(self, args: KVArgs, mode: str, sink=None):
         self.args = args
-        self.page_nbytes = page_bytes(args.kv_pool, args.page_size)
+        self._head_bytes = head_bytes(args.kv_pool)
         self._k, self._v, self._layer_page = _buffers(args)
         host = advertised_host(args.host)
         self._engine = TransferEngine()
@@ -60,27 +60,36 @@ class MooncakeTransport(Transport):
             self._registered.append(ptr)
 
     def local_info(self) -> dict:
-        return {"session": self.session, "k_ptrs": self._k, "v_ptrs": self._v, "layer_page_bytes": self._layer_page}
+        return {"session": self.session, "k_ptrs": self._k, "v_ptrs": self._v, "layer_page_bytes": self._layer_page,
+                "head_bytes": self._head_bytes}
 
     def check_peer(self, info: dict) -> Optional[str]:
-        if info.get("layer_page_bytes") != self._layer_page or len(info.get("k_ptrs", [])) != len(self._k):
+        if info.get("head_bytes", self._head_bytes) != self._head_bytes or len(info.get("k_ptrs", [])) != len(self._k):
             return "mooncake: decode pool layout differs"
         return None
 
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
         srcs, dsts, lens = [], [], []
-        runs = page_runs(src, dst)
-        for mine, theirs in zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True):
-            for s, d, n in runs:
-                srcs.append(mine + s * self._layer_page)
-                dsts.append(theirs + d * self._layer_page)
-                lens.append(n * self._layer_page)
+        pairs = zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True)
+        if peer.heads.whole:
+            runs = page_runs(src, dst)
+            for mine, theirs in pairs:
+                for s, d, n in runs:
+                    srcs.append(mine + s * self._layer_page)
+                    dsts.append(theirs + d * self._layer_page)
+                    lens.append(n * self._layer_page)
+        else:
+            s_off, d_off, size = head_pieces(src, dst, peer.heads, self.args.page_size, self._head_bytes)
+            for mine, theirs in pairs:
+                srcs.extend((s_off + mine).tolist())
+                dsts.extend((d_off + theirs).tolist())
+            lens = [size] * len(srcs)
         for i in range(0, len(srcs), MAX_BATCH):  # the engine rejects (-1) batches of a few thousand
             end = i + MAX_BATCH
             rc = self._engine.batch_transfer_sync_write(peer.info["session"], srcs[i:end], dsts[i:end], lens[i:end])
             if rc != 0:
                 raise RuntimeError(f"Mooncake batch_transfer_sync_write to {peer.info['session']} failed ({rc})")
-        return len(src) * self.page_nbytes
+        return sliced_nbytes(len(src), self.args.kv_pool, self.args.page_size, peer.heads)
 
     def close(self) -> None:
         if self._engine is None:

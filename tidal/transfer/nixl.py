@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from tidal.transfer.base import KVArgs, Peer, Transport, page_bytes, page_runs
+from tidal.transfer.base import KVArgs, Peer, Transport, head_bytes, head_pieces, page_runs, sliced_nbytes
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -34,7 +34,8 @@ class NixlTransport(Transport):
 
     def __init__(self, args: KVArgs, mode: str, sink=None):
         pool = args.kv_pool
-        self.page_nbytes = page_bytes(pool, args.page_size)
+        self.args = args
+        self._head_bytes = head_bytes(pool)
         self._mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self._dev = (pool.device.index or 0) if pool.device.type == "cuda" else 0
         self._k = [b.data_ptr() for b in pool.k_buffer]
@@ -63,10 +64,10 @@ class NixlTransport(Transport):
             meta = self._agent.get_agent_metadata()
         return {"agent_name": self.agent_name, "agent_meta": meta,
                 "k_ptrs": self._k, "v_ptrs": self._v, "layer_page_bytes": self._layer_page,
-                "mem": self._mem, "dev": self._dev}
+                "head_bytes": self._head_bytes, "mem": self._mem, "dev": self._dev}
 
     def check_peer(self, info: dict) -> Optional[str]:
-        if info.get("layer_page_bytes") != self._layer_page or len(info.get("k_ptrs", [])) != len(self._k):
+        if info.get("head_bytes", self._head_bytes) != self._head_bytes or len(info.get("k_ptrs", [])) != len(self._k):
             return "nixl: decode pool layout differs"
         return None
 
@@ -82,11 +83,19 @@ class NixlTransport(Transport):
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
         remote = self._remote(peer)
         local_descs, remote_descs = [], []
-        runs = page_runs(src, dst)
-        for mine, theirs in zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True):
-            for s, d, n in runs:
-                local_descs.append((mine + s * self._layer_page, n * self._layer_page, self._dev))
-                remote_descs.append((theirs + d * self._layer_page, n * self._layer_page, peer.info["dev"]))
+        pairs = zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True)
+        far_dev = peer.info["dev"]
+        if peer.heads.whole:
+            runs = page_runs(src, dst)
+            for mine, theirs in pairs:
+                for s, d, n in runs:
+                    local_descs.append((mine + s * self._layer_page, n * self._layer_page, self._dev))
+                    remote_descs.append((theirs + d * self._layer_page, n * self._layer_page, far_dev))
+        else:
+            s_off, d_off, size = head_pieces(src, dst, peer.heads, self.args.page_size, self._head_bytes)
+            for mine, theirs in pairs:
+                local_descs.extend((a, size, self._dev) for a in (s_off + mine).tolist())
+                remote_descs.extend((b, size, far_dev) for b in (d_off + theirs).tolist())
         with self._lock:
             local = self._agent.get_xfer_descs(local_descs, self._mem)
             far = self._agent.get_xfer_descs(remote_descs, peer.info["mem"])
@@ -96,7 +105,7 @@ class NixlTransport(Transport):
         finally:
             with self._lock:
                 self._agent.release_xfer_handle(handle)
-        return len(src) * self.page_nbytes
+        return sliced_nbytes(len(src), self.args.kv_pool, self.args.page_size, peer.heads)
 
     def _wait(self, handle) -> None:
         with self._lock:

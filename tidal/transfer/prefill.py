@@ -1,11 +1,13 @@
 """Prefill side of the common transfer layer: the room table, the control handlers,
 and the sender the scheduler drives.
 
-A room is Bootstrapping until decode's TransferInfo (its destination pages) arrives,
-then WaitingForInput; the last send makes it Transferring; decode's RoomAck (pages
-and metadata landed) makes it Success. Any failure of a room that has a destination
-queues a fence behind the room's transfer jobs: the fence tells decode RoomFailed, so
-decode knows nothing will be written to its pages any more.
+A room is Bootstrapping until decode's TransferInfo (its destination pages) arrives
+from every decode rank that reads from this rank (one when both sides run the same TP
+size; see tidal.transfer.heads), then WaitingForInput; the last send makes it
+Transferring; every destination's RoomAck (pages and metadata landed) makes it Success.
+Any failure of a room that has destinations queues a fence behind the room's transfer
+jobs: the fence tells each decode rank RoomFailed, so it knows nothing will be written
+to its pages any more.
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ from tidal.transfer.base import (
     TransferStats,
     Transport,
     layout_of,
+    layout_problem,
     pages_problem,
 )
+from tidal.transfer.heads import HeadLayout, readers, sources
 from tidal.transfer.common import (
     AbortRoom,
     Bye,
@@ -57,6 +61,8 @@ class Destination:
     pages: np.ndarray
     metadata_index: int
     arrived: float
+    rank: int = 0  # the decode rank's TP rank
+    expected: int = 1  # destinations the room has in all (decode ranks reading from this rank)
 
 
 class SenderRoom:
@@ -66,7 +72,9 @@ class SenderRoom:
         self.reason: Optional[str] = None
         self.created = time.monotonic()
         self.init_at: Optional[float] = None
-        self.dst: Optional[Destination] = None
+        self.dsts: dict[int, Destination] = {}  # decode rank -> where its pages go
+        self.expected: Optional[int] = None  # len(dsts) once every destination arrived
+        self.acked: set[int] = set()
         self.num_kv_pages: Optional[int] = None
         self.metadata_index = -1
         self.sent = 0
@@ -85,7 +93,7 @@ class PrefillSide:
         self.endpoint = ""  # this rank's inbox as registered with the bootstrap server
         self._lock = threading.RLock()
         self._rooms: dict[int, SenderRoom] = {}
-        self._pending: dict[int, Destination] = {}  # destinations that came before their sender
+        self._pending: dict[int, dict[int, Destination]] = {}  # room -> destinations that came before its sender
         self._tombstones: dict[int, tuple[str, str, float]] = {}  # room -> (origin, reason, when)
         self._peers: dict[str, Peer] = {}
         self._layout = layout_of(args)
@@ -110,8 +118,7 @@ class PrefillSide:
                 reason = tomb[1]
             else:
                 self._rooms[room] = st
-                dst = self._pending.pop(room, None)
-                if dst is not None:
+                for dst in self._pending.pop(room, {}).values():
                     self._attach(st, dst)
                 return st
         st.status, st.reason = KVPoll.Failed, reason
@@ -144,7 +151,7 @@ class PrefillSide:
                 return
             problem = self._send_problem(st, pages, is_last)
             if problem is None:
-                dst = st.dst.pages[st.sent : st.sent + len(pages)]
+                dsts = [(d, d.pages[st.sent : st.sent + len(pages)]) for d in st.dsts.values()]
                 st.sent += len(pages)
                 if is_last:
                     st.status = KVPoll.Transferring
@@ -154,9 +161,11 @@ class PrefillSide:
         if is_last:
             record = encode_record(self.args.metadata.get(st.metadata_index))
             done = RoomDone(room=st.room, prefill_id=self.prefill_id, metadata=record, num_pages=st.sent)
-        self._workers.submit(st.room, lambda: self._run_send(st, pages, dst, done))
+        self._workers.submit(st.room, lambda: self._run_send(st, pages, dsts, done))
 
-    def fail(self, st: SenderRoom, reason: str, notify: bool = True) -> None:
+    def fail(self, st: SenderRoom, reason: str, gone: Optional[str] = None, also: Optional[str] = None) -> None:
+        """Every destination but `gone` (a decode rank that left) is told; `also`: an
+        endpoint to tell besides them (a decode rank whose destination never arrived)."""
         with self._lock:
             if st.status in TERMINAL_POLLS:
                 return
@@ -165,24 +174,30 @@ class PrefillSide:
             if self._rooms.get(st.room) is st:
                 del self._rooms[st.room]
                 self._tombstones[st.room] = ("local", reason, time.monotonic())
-            dst = st.dst
+            tell = [d.endpoint for d in st.dsts.values() if d.decode_id != gone]
+        if also is not None and also not in tell:
+            tell.append(also)
         self.stats.add_failure(during_bootstrap)
         logger.info("prefill room %s failed: %s", st.room, reason)
-        if dst is not None and notify:
-            msg = RoomFailed(room=st.room, prefill_id=self.prefill_id, reason=reason)
-            self._workers.submit(st.room, lambda: self._send(dst.endpoint, msg))
+        msg = RoomFailed(room=st.room, prefill_id=self.prefill_id, reason=reason)
+        for endpoint in tell:
+            self._workers.submit(st.room, lambda e=endpoint: self._send(e, msg))
 
     # ---- checks (lock held)
 
     def _size_problem(self, st: SenderRoom) -> Optional[str]:
-        if st.dst is None or st.num_kv_pages is None or len(st.dst.pages) == st.num_kv_pages:
+        if st.num_kv_pages is None:
             return None
-        return f"page count mismatch: prefill will send {st.num_kv_pages} pages, decode gave {len(st.dst.pages)}"
+        for d in st.dsts.values():
+            if len(d.pages) != st.num_kv_pages:
+                return (f"page count mismatch: prefill will send {st.num_kv_pages} pages, decode rank {d.rank} "
+                        f"gave {len(d.pages)}")
+        return None
 
     def _send_problem(self, st: SenderRoom, pages: np.ndarray, is_last: bool) -> Optional[str]:
         n = len(pages)
-        if st.dst is None:
-            return "send() before the decode destination arrived (poll() was not WaitingForInput)"
+        if st.expected is None:
+            return "send() before the decode destinations arrived (poll() was not WaitingForInput)"
         if st.num_kv_pages is None:
             return "send() before init()"
         if st.status == KVPoll.Transferring:
@@ -203,29 +218,33 @@ class PrefillSide:
             self.fail(st, f"waiting timeout: room {st.room} not completed {self.config.waiting_timeout}s after init")
 
     def _attach(self, st: SenderRoom, dst: Destination) -> None:
-        st.dst = dst
-        if st.status == KVPoll.Bootstrapping:
-            st.status = KVPoll.WaitingForInput
+        st.dsts[dst.rank] = dst
+        if len(st.dsts) == dst.expected:
+            st.expected = dst.expected
+            if st.status == KVPoll.Bootstrapping:
+                st.status = KVPoll.WaitingForInput
 
     # ---- transfer worker threads
 
-    def _run_send(self, st: SenderRoom, src: np.ndarray, dst: np.ndarray, done: Optional[RoomDone]) -> None:
-        if st.status == KVPoll.Failed:
-            return
-        peer = self._peers.get(st.dst.decode_id)
-        try:
-            if peer is None:
-                raise KVTransferError(f"decode peer {st.dst.decode_id} is gone")
-            if len(src):
-                self.stats.add_bytes(self.transport.write(peer, st.room, self.prefill_id, src, dst))
-            if done is not None and st.status != KVPoll.Failed:
-                if self.transport.inband_done:
-                    self.transport.finish(peer, st.room, self.prefill_id, encode_msg(done))
-                else:
-                    self._send(peer.endpoint, done)
-        except Exception as e:
-            logger.warning("transfer of room %s failed", st.room, exc_info=True)
-            self.fail(st, f"transfer failed ({self.transport.name}): {e}")
+    def _run_send(self, st: SenderRoom, src: np.ndarray, dsts: list[tuple[Destination, np.ndarray]],
+                  done: Optional[RoomDone]) -> None:
+        for dst, pages in dsts:
+            if st.status == KVPoll.Failed:
+                return
+            peer = self._peers.get(dst.decode_id)
+            try:
+                if peer is None:
+                    raise KVTransferError(f"decode peer {dst.decode_id} is gone")
+                if len(src) and peer.heads.count:
+                    self.stats.add_bytes(self.transport.write(peer, st.room, self.prefill_id, src, pages))
+                if done is not None and st.status != KVPoll.Failed:
+                    if self.transport.inband_done:
+                        self.transport.finish(peer, st.room, self.prefill_id, encode_msg(done))
+                    else:
+                        self._send(peer.endpoint, done)
+            except Exception as e:
+                logger.warning("transfer of room %s failed", st.room, exc_info=True)
+                self.fail(st, f"transfer failed ({self.transport.name}): {e}")
 
     def _send(self, endpoint: str, msg: WireMsg) -> None:
         if self.control is not None:
@@ -248,30 +267,52 @@ class PrefillSide:
             logger.debug("prefill ignores %s", type(msg).__name__)
 
     def _on_hello(self, msg: Hello) -> None:
-        error = None
-        if msg.layout != self._layout:
-            error = f"KV layout mismatch: prefill {self._layout}, decode {msg.layout}"
+        peer, error = self._peer_of(msg)
         error = error or self.transport.check_peer(msg.info)
         if error is None:
             with self._lock:
-                self._peers[msg.decode_id] = Peer(msg.decode_id, msg.endpoint, msg.info)
+                self._peers[msg.decode_id] = peer
         self._send(msg.endpoint, HelloAck(prefill_id=self.prefill_id, endpoint=self.endpoint, error=error))
 
+    def _peer_of(self, msg: Hello) -> tuple[Optional[Peer], Optional[str]]:
+        """The decode rank behind a hello, with the heads it reads from this rank; or why it cannot pair."""
+        theirs = dict(msg.layout)
+        problem = layout_problem(dict(self._layout), theirs)
+        if problem:
+            return None, problem
+        mine, rank = self.args.head_layout(), self.args.engine_rank
+        try:
+            decode = HeadLayout(theirs["total_kv_heads"], theirs["tp_size"])
+            heads = sources(mine, decode, theirs["tp_rank"]).get(rank)
+        except ValueError as e:
+            return None, f"cannot pair prefill TP {mine.tp_size} with decode TP {theirs['tp_size']}: {e}"
+        if heads is None:
+            return None, f"decode rank {theirs['tp_rank']} reads nothing from prefill rank {rank}"
+        if heads.dst_heads != theirs.get("num_kv_heads", heads.dst_heads):
+            return None, f"decode rank {theirs['tp_rank']} pool holds {theirs['num_kv_heads']} KV heads, " \
+                         f"expected {heads.dst_heads}"
+        return Peer(msg.decode_id, msg.endpoint, msg.info, heads, theirs["tp_rank"],
+                    len(readers(mine, decode, rank))), None
+
     def _on_transfer_info(self, msg: TransferInfo) -> None:
-        dst = Destination(msg.decode_id, msg.endpoint, np.frombuffer(msg.dst_pages, dtype=np.int64).copy(),
-                          msg.metadata_index, time.monotonic())
         with self._lock:
-            reject = self._accept(msg.room, dst)
+            peer = self._peers.get(msg.decode_id)
+            if peer is None:
+                reject = "unknown decode peer (no hello)"
+            else:
+                dst = Destination(msg.decode_id, msg.endpoint, np.frombuffer(msg.dst_pages, dtype=np.int64).copy(),
+                                  msg.metadata_index, time.monotonic(), peer.rank, peer.readers)
+                reject = self._accept(msg.room, dst)
         if reject:
             self._send(msg.endpoint, RoomFailed(room=msg.room, prefill_id=self.prefill_id, reason=reject))
 
     def _accept(self, room: int, dst: Destination) -> Optional[str]:
-        if dst.decode_id not in self._peers:
-            return "unknown decode peer (no hello)"
         st = self._rooms.get(room)
         if st is not None:
-            if st.dst is not None:
+            if dst.rank in st.dsts or st.expected is not None:
                 return f"room {room} is already paired with another destination"
+            if any(d.expected != dst.expected for d in st.dsts.values()):
+                return f"room {room}: destinations from decode servers of different TP sizes"
             self._attach(st, dst)
             problem = self._size_problem(st)
             if problem:
@@ -280,15 +321,22 @@ class PrefillSide:
         tomb = self._tombstones.get(room)
         if tomb is not None:
             return f"prefill request for room {room} already failed: {tomb[1]}"
-        if room in self._pending:
+        pending = self._pending.setdefault(room, {})
+        if dst.rank in pending:
             return f"duplicate destination for room {room}"
-        self._pending[room] = dst
+        pending[dst.rank] = dst
         return None
 
     def _on_ack(self, msg: RoomAck) -> None:
         with self._lock:
             st = self._rooms.get(msg.room)
-            if st is None or st.dst is None or st.dst.decode_id != msg.decode_id or st.status != KVPoll.Transferring:
+            if st is None or st.status != KVPoll.Transferring:
+                return
+            rank = next((r for r, d in st.dsts.items() if d.decode_id == msg.decode_id), None)
+            if rank is None:
+                return
+            st.acked.add(rank)
+            if len(st.acked) < len(st.dsts):
                 return
             st.status = KVPoll.Success
             del self._rooms[msg.room]
@@ -298,27 +346,30 @@ class PrefillSide:
         reason = f"aborted by decode: {msg.reason}"
         with self._lock:
             st = self._rooms.get(msg.room)
-            if st is not None and st.dst is not None and st.dst.decode_id != msg.decode_id:
+            if st is not None and st.expected is not None and all(d.decode_id != msg.decode_id
+                                                                   for d in st.dsts.values()):
                 return  # not this room's partner
+            pend: dict[int, Destination] = {}
             if st is None:
-                pend = self._pending.get(msg.room)
-                if pend is not None and pend.decode_id == msg.decode_id:
-                    del self._pending[msg.room]
+                pend = self._pending.pop(msg.room, {})
                 self._tombstones[msg.room] = ("peer", reason, time.monotonic())
-        if st is not None and st.dst is not None:
-            return self.fail(st, reason)  # its fence answers decode
         if st is not None:
-            self.fail(st, reason)
-        self._send(msg.endpoint, RoomFailed(room=msg.room, prefill_id=self.prefill_id, reason=reason))
+            return self.fail(st, reason, also=msg.endpoint)  # its fence answers decode
+        msg_failed = RoomFailed(room=msg.room, prefill_id=self.prefill_id, reason=reason)
+        for endpoint in {msg.endpoint, *(d.endpoint for d in pend.values())}:
+            self._send(endpoint, msg_failed)
 
     def _on_bye(self, msg: Bye) -> None:
         with self._lock:
             self._peers.pop(msg.decode_id, None)
-            gone = [st for st in self._rooms.values() if st.dst is not None and st.dst.decode_id == msg.decode_id]
-            for room in [r for r, d in self._pending.items() if d.decode_id == msg.decode_id]:
-                del self._pending[room]
+            gone = [st for st in self._rooms.values() if any(d.decode_id == msg.decode_id for d in st.dsts.values())]
+            for room, dsts in list(self._pending.items()):
+                for rank in [r for r, d in dsts.items() if d.decode_id == msg.decode_id]:
+                    del dsts[rank]
+                if not dsts:
+                    del self._pending[room]
         for st in gone:
-            self.fail(st, f"decode peer {msg.decode_id} left", notify=False)
+            self.fail(st, f"decode peer {msg.decode_id} left", gone=msg.decode_id)
         self._workers.broadcast(lambda: self.transport.drop_peer(msg.decode_id))
         self.control.disconnect(msg.endpoint)
 
@@ -326,8 +377,8 @@ class PrefillSide:
         with self._lock:
             live = list(self._rooms.values())
             keep = self.config.bootstrap_timeout + self.config.waiting_timeout
-            stale = [(r, d) for r, d in self._pending.items() if now - d.arrived > keep]
-            for room, _ in stale:
+            stale = [(r, d) for r, dsts in self._pending.items() for d in dsts.values() if now - d.arrived > keep]
+            for room in {r for r, _ in stale}:
                 del self._pending[room]
             for room in [r for r, t in self._tombstones.items() if now - t[2] > keep]:
                 del self._tombstones[room]

@@ -14,7 +14,7 @@ from typing import Optional
 import numpy as np
 import torch
 
-from tidal.transfer.base import KVArgs, PagePlan, Peer, Transport, page_bytes, page_view
+from tidal.transfer.base import KVArgs, PagePlan, Peer, Transport, head_view, page_view, sliced_nbytes
 
 
 def boot_id() -> str:
@@ -100,10 +100,11 @@ class ShmTransport(Transport):
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
         m = self._mapping(peer)
         plan = PagePlan(src, dst)
+        h = peer.heads
         for layer in range(self.pool.num_layers):
-            plan.copy(m.k[layer], self._src_k[layer])
-            plan.copy(m.v[layer], self._src_v[layer])
-        return len(src) * page_bytes(self.pool, self.page_size)
+            for theirs, mine in ((m.k[layer], self._src_k[layer]), (m.v[layer], self._src_v[layer])):
+                plan.copy(head_view(theirs, h.dst_start, h.count), head_view(mine, h.src_start, h.count))
+        return sliced_nbytes(len(src), self.pool, self.page_size, h)
 
     def drop_peer(self, decode_id: str) -> None:
         with self._lock:

@@ -6,6 +6,8 @@ every page of the room is written.
 
 Message: [header, frame, ...]: the pages of layer 0's K, then layer 0's V, layer 1's K, ...,
 each block in one or more frames of whole pages, pages in the order of the header's dst_pages.
+With different TP sizes on the two sides a page carries only the heads the decode rank
+reads from this prefill rank; the header says where they go (head_start, num_heads).
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ from tidal.transfer.base import (
     Transport,
     as_bytes,
     as_bytes_shape,
-    page_bytes,
+    head_bytes,
+    head_view,
     page_view,
+    sliced_nbytes,
 )
 from tidal.transfer.common import advertised_host
 
@@ -53,6 +57,8 @@ class PagesFrame(_Frame):
     dst_pages: bytes
     nbytes: int
     crc: int  # zlib.crc32 of the payload; -1: not computed
+    head_start: int = 0  # where the pages' heads go in the decode pool
+    num_heads: int = -1  # -1: all of its heads
 
 
 class DoneFrame(_Frame):
@@ -76,11 +82,10 @@ class TcpTransport(Transport):
         pool = args.kv_pool
         self.pool = pool
         self.page_size = args.page_size
-        self.page_nbytes = page_bytes(pool, args.page_size)
         # [layer K, layer V, ...] page views, in message order
         self._views = [page_view(b, args.page_size) for pair in zip(pool.k_buffer, pool.v_buffer, strict=True)
                        for b in pair]
-        self.block_page_nbytes = self.page_nbytes // len(self._views)
+        self.head_page_nbytes = head_bytes(pool) * args.page_size  # one head of one page of one block
         self._checksum = _checksums()
         self._ctx = zmq.Context(io_threads=1)
         self._local = threading.local()
@@ -117,26 +122,31 @@ class TcpTransport(Transport):
 
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
         sock = self._socket(peer)
-        per_msg = max(1, MAX_MESSAGE_BYTES // self.page_nbytes)
+        h = peer.heads
+        views = [head_view(v, h.src_start, h.count) for v in self._views]
+        per_msg = max(1, MAX_MESSAGE_BYTES // (self.head_page_nbytes * h.count * len(views)))
         for start in range(0, len(src), per_msg):
-            groups = self._groups(src[start : start + per_msg])
+            groups = self._groups(views, src[start : start + per_msg])
             crc = -1
             if self._checksum:
                 crc = 0
                 for g in groups:
                     crc = zlib.crc32(g, crc)
             header = PagesFrame(room=room, prefill_id=prefill_id, dst_pages=dst[start : start + per_msg].tobytes(),
-                                nbytes=sum(g.nbytes for g in groups), crc=crc)
+                                nbytes=sum(g.nbytes for g in groups), crc=crc, head_start=h.dst_start,
+                                num_heads=-1 if h.whole else h.count)
             self._send(sock, [_encoder.encode(header), *groups])
-        return len(src) * self.page_nbytes
+        return sliced_nbytes(len(src), self.pool, self.page_size, h)
 
-    def _groups(self, src: np.ndarray) -> list[np.ndarray]:
+    @staticmethod
+    def _groups(views: list[torch.Tensor], src: np.ndarray) -> list[np.ndarray]:
         """The pages as byte arrays, layer by layer, K then V, pages in order. Runs of a
-        CPU pool go as views (ZMQ sends from the pool itself); scattered pages are packed."""
+        CPU pool's whole pages go as views (ZMQ sends from the pool itself); scattered pages
+        and pages of some heads only are packed."""
         plan = PagePlan(src, np.arange(len(src)))
         out = []
-        for view in self._views:
-            if plan.sliced and view.device.type == "cpu":
+        for view in views:
+            if plan.sliced and view.device.type == "cpu" and view.is_contiguous():
                 out.extend(as_bytes(view[s : s + n]).reshape(-1) for s, _, n in plan.runs)
             else:
                 buf = torch.empty((len(src), *view.shape[1:]), dtype=view.dtype)
@@ -179,8 +189,14 @@ class TcpTransport(Transport):
         """Checks one message (sizes, layout, optional CRC32) and writes its pages."""
         dst = np.frombuffer(header.dst_pages, dtype=np.int64)
         sizes = [len(f) for f in frames]
-        expected = len(dst) * self.page_nbytes
-        if sum(sizes) != header.nbytes or header.nbytes != expected or not self._fits(len(dst), sizes):
+        heads = self.pool.num_kv_heads if header.num_heads == -1 else header.num_heads
+        if not (0 < heads and 0 <= header.head_start and header.head_start + heads <= self.pool.num_kv_heads):
+            logger.warning("tcp: room %s heads [%d, +%d) outside this pool; dropped", header.room,
+                           header.head_start, heads)
+            return
+        block_page = self.head_page_nbytes * heads
+        expected = len(dst) * block_page * len(self._views)
+        if sum(sizes) != header.nbytes or header.nbytes != expected or not self._fits(len(dst), sizes, block_page):
             logger.warning("tcp: room %s message of %d bytes in %d frames does not match %d pages; dropped",
                            header.room, sum(sizes), len(sizes), len(dst))
             return
@@ -195,29 +211,30 @@ class TcpTransport(Transport):
         if token is None:
             return  # the room failed or is not ours
         try:
-            self._scatter(dst, frames)
+            self._scatter(dst, frames, [head_view(v, header.head_start, heads) for v in self._views], block_page)
         finally:
             sink.end_write(token)
 
-    def _fits(self, num_pages: int, sizes: list[int]) -> bool:
+    def _fits(self, num_pages: int, sizes: list[int], block_page: int) -> bool:
         """Every frame holds whole pages of one layer's K or V, and they fill each exactly."""
         filled = blocks = 0
         for size in sizes:
-            if size == 0 or size % self.block_page_nbytes:
+            if size == 0 or size % block_page:
                 return False
-            filled += size // self.block_page_nbytes
+            filled += size // block_page
             if filled > num_pages:
                 return False
             if filled == num_pages:
                 blocks, filled = blocks + 1, 0
         return blocks == len(self._views) and filled == 0
 
-    def _scatter(self, dst: np.ndarray, frames: list) -> None:
+    @staticmethod
+    def _scatter(dst: np.ndarray, frames: list, views: list[torch.Tensor], block_page: int) -> None:
         block, offset = 0, 0
         plans: dict[tuple[int, int], PagePlan] = {}  # every block repeats the same split
         for f in frames:
-            view = self._views[block]
-            k = len(f) // self.block_page_nbytes
+            view = views[block]
+            k = len(f) // block_page
             pages = np.frombuffer(f, dtype=np.uint8).reshape(k, *as_bytes_shape(view))
             plan = plans.get((offset, k))
             if plan is None:
