@@ -166,7 +166,8 @@ class Transport:
 
     guarded: decode's own threads write the pages (a failed room stops them at once);
     otherwise prefill writes one-sided and decode waits for its fence.
-    inband_done: the completion must travel behind the pages (`finish`).
+    inband_done: the completion must travel behind the pages (`finish`); per peer in
+    `inband_done_for` (one-sided backends send head slices over tcp, see OneSidedWithSlices).
     """
 
     name = "base"
@@ -175,6 +176,9 @@ class Transport:
 
     def local_info(self) -> dict:
         return {}
+
+    def inband_done_for(self, peer: Peer) -> bool:
+        return self.inband_done
 
     def check_peer(self, info: dict) -> Optional[str]:
         """Prefill side: why this decode cannot be served, or None."""
@@ -332,19 +336,6 @@ def sliced_nbytes(num_pages: int, pool: MHATokenToKVPool, page_size: int, heads:
     return num_pages * page_size * 2 * pool.num_layers * heads.count * head_bytes(pool)
 
 
-def head_pieces(src: np.ndarray, dst: np.ndarray, heads: HeadSlice, page_size: int,
-                head_nbytes: int) -> tuple[np.ndarray, np.ndarray, int]:
-    """For one-sided backends: (source offsets, destination offsets, bytes of each) of the
-    contiguous pieces of pages src -> dst within one layer's K or V buffer, for the
-    slice's heads: one piece per token, since a token's heads are contiguous but its page
-    holds others."""
-    tokens = np.arange(page_size, dtype=np.int64)
-    s = (src.astype(np.int64)[:, None] * page_size + tokens) * (heads.src_heads * head_nbytes)
-    d = (dst.astype(np.int64)[:, None] * page_size + tokens) * (heads.dst_heads * head_nbytes)
-    return (s.ravel() + heads.src_start * head_nbytes, d.ravel() + heads.dst_start * head_nbytes,
-            heads.count * head_nbytes)
-
-
 def head_view(view: torch.Tensor, start: int, count: int) -> torch.Tensor:
     """A page view [page, page_size, kv_head, head_dim] narrowed to heads [start, start + count)."""
     return view if start == 0 and count == view.shape[2] else view[:, :, start : start + count]
@@ -403,3 +394,23 @@ class TransferStats:
                     for b, c in zip(_LATENCY_BUCKETS, self.buckets, strict=True)
                 },
             }
+
+
+class SlicedOverTcp:
+    """What a one-sided backend (mooncake, nixl) does with head slices (M:N TP): with the
+    pool laid out [slot, head, dim], a slice is one small piece per token and layer, and
+    one-sided writes of such pieces crawl (measured below 0.01 GB/s for Mooncake over TCP,
+    0.05 for NIXL), so slices go over the tcp backend's stream, which packs them, with the
+    completion behind them. Whole pages (equal TP sizes) stay one-sided."""
+
+    def __init__(self, args: KVArgs, mode: str, sink):
+        from tidal.transfer.tcp import TcpTransport
+
+        self.tcp = TcpTransport(args, mode, sink)
+
+    @staticmethod
+    def sliced(peer: Peer) -> bool:
+        return not peer.heads.whole
+
+    def close(self) -> None:
+        self.tcp.close()

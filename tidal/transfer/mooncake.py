@@ -15,7 +15,7 @@ from typing import Optional
 
 import numpy as np
 
-from tidal.transfer.base import KVArgs, Peer, Transport, head_bytes, head_pieces, page_runs, sliced_nbytes
+from tidal.transfer.base import KVArgs, Peer, SlicedOverTcp, Transport, head_bytes, page_runs, sliced_nbytes
 from tidal.transfer.common import advertised_host
 
 try:
@@ -43,6 +43,7 @@ class MooncakeTransport(Transport):
     def __init__(self, args: KVArgs, mode: str, sink=None):
         self.args = args
         self._head_bytes = head_bytes(args.kv_pool)
+        self._slices = SlicedOverTcp(args, mode, sink)
         self._k, self._v, self._layer_page = _buffers(args)
         host = advertised_host(args.host)
         self._engine = TransferEngine()
@@ -61,7 +62,22 @@ class MooncakeTransport(Transport):
 
     def local_info(self) -> dict:
         return {"session": self.session, "k_ptrs": self._k, "v_ptrs": self._v, "layer_page_bytes": self._layer_page,
-                "head_bytes": self._head_bytes}
+                "head_bytes": self._head_bytes, **self._slices.tcp.local_info()}
+
+    def inband_done_for(self, peer: Peer) -> bool:
+        return self._slices.sliced(peer)
+
+    def finish(self, peer: Peer, room: int, prefill_id: str, done: bytes) -> None:
+        self._slices.tcp.finish(peer, room, prefill_id, done)
+
+    def drop_peer(self, decode_id: str) -> None:
+        self._slices.tcp.drop_peer(decode_id)
+
+    def release_thread(self) -> None:
+        self._slices.tcp.release_thread()
+
+    def interrupt(self) -> None:
+        self._slices.tcp.interrupt()
 
     def check_peer(self, info: dict) -> Optional[str]:
         if info.get("head_bytes", self._head_bytes) != self._head_bytes or len(info.get("k_ptrs", [])) != len(self._k):
@@ -69,21 +85,15 @@ class MooncakeTransport(Transport):
         return None
 
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
+        if self._slices.sliced(peer):
+            return self._slices.tcp.write(peer, room, prefill_id, src, dst)
         srcs, dsts, lens = [], [], []
-        pairs = zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True)
-        if peer.heads.whole:
-            runs = page_runs(src, dst)
-            for mine, theirs in pairs:
-                for s, d, n in runs:
-                    srcs.append(mine + s * self._layer_page)
-                    dsts.append(theirs + d * self._layer_page)
-                    lens.append(n * self._layer_page)
-        else:
-            s_off, d_off, size = head_pieces(src, dst, peer.heads, self.args.page_size, self._head_bytes)
-            for mine, theirs in pairs:
-                srcs.extend((s_off + mine).tolist())
-                dsts.extend((d_off + theirs).tolist())
-            lens = [size] * len(srcs)
+        runs = page_runs(src, dst)
+        for mine, theirs in zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True):
+            for s, d, n in runs:
+                srcs.append(mine + s * self._layer_page)
+                dsts.append(theirs + d * self._layer_page)
+                lens.append(n * self._layer_page)
         for i in range(0, len(srcs), MAX_BATCH):  # the engine rejects (-1) batches of a few thousand
             end = i + MAX_BATCH
             rc = self._engine.batch_transfer_sync_write(peer.info["session"], srcs[i:end], dsts[i:end], lens[i:end])
@@ -94,6 +104,7 @@ class MooncakeTransport(Transport):
     def close(self) -> None:
         if self._engine is None:
             return
+        self._slices.close()
         for ptr in self._registered:
             self._engine.unregister_memory(ptr)
         self._registered.clear()

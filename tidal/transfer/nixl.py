@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from tidal.transfer.base import KVArgs, Peer, Transport, head_bytes, head_pieces, page_runs, sliced_nbytes
+from tidal.transfer.base import KVArgs, Peer, SlicedOverTcp, Transport, head_bytes, page_runs, sliced_nbytes
 
 try:
     from nixl._api import nixl_agent, nixl_agent_config
@@ -36,6 +36,7 @@ class NixlTransport(Transport):
         pool = args.kv_pool
         self.args = args
         self._head_bytes = head_bytes(pool)
+        self._slices = SlicedOverTcp(args, mode, sink)
         self._mem = "VRAM" if pool.device.type == "cuda" else "DRAM"
         self._dev = (pool.device.index or 0) if pool.device.type == "cuda" else 0
         self._k = [b.data_ptr() for b in pool.k_buffer]
@@ -64,7 +65,19 @@ class NixlTransport(Transport):
             meta = self._agent.get_agent_metadata()
         return {"agent_name": self.agent_name, "agent_meta": meta,
                 "k_ptrs": self._k, "v_ptrs": self._v, "layer_page_bytes": self._layer_page,
-                "head_bytes": self._head_bytes, "mem": self._mem, "dev": self._dev}
+                "head_bytes": self._head_bytes, "mem": self._mem, "dev": self._dev, **self._slices.tcp.local_info()}
+
+    def inband_done_for(self, peer: Peer) -> bool:
+        return self._slices.sliced(peer)
+
+    def finish(self, peer: Peer, room: int, prefill_id: str, done: bytes) -> None:
+        self._slices.tcp.finish(peer, room, prefill_id, done)
+
+    def release_thread(self) -> None:
+        self._slices.tcp.release_thread()
+
+    def interrupt(self) -> None:
+        self._slices.tcp.interrupt()
 
     def check_peer(self, info: dict) -> Optional[str]:
         if info.get("head_bytes", self._head_bytes) != self._head_bytes or len(info.get("k_ptrs", [])) != len(self._k):
@@ -81,21 +94,15 @@ class NixlTransport(Transport):
             return name
 
     def write(self, peer: Peer, room: int, prefill_id: str, src: np.ndarray, dst: np.ndarray) -> int:
+        if self._slices.sliced(peer):
+            return self._slices.tcp.write(peer, room, prefill_id, src, dst)
         remote = self._remote(peer)
         local_descs, remote_descs = [], []
-        pairs = zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True)
-        far_dev = peer.info["dev"]
-        if peer.heads.whole:
-            runs = page_runs(src, dst)
-            for mine, theirs in pairs:
-                for s, d, n in runs:
-                    local_descs.append((mine + s * self._layer_page, n * self._layer_page, self._dev))
-                    remote_descs.append((theirs + d * self._layer_page, n * self._layer_page, far_dev))
-        else:
-            s_off, d_off, size = head_pieces(src, dst, peer.heads, self.args.page_size, self._head_bytes)
-            for mine, theirs in pairs:
-                local_descs.extend((a, size, self._dev) for a in (s_off + mine).tolist())
-                remote_descs.extend((b, size, far_dev) for b in (d_off + theirs).tolist())
+        runs = page_runs(src, dst)
+        for mine, theirs in zip(self._k + self._v, peer.info["k_ptrs"] + peer.info["v_ptrs"], strict=True):
+            for s, d, n in runs:
+                local_descs.append((mine + s * self._layer_page, n * self._layer_page, self._dev))
+                remote_descs.append((theirs + d * self._layer_page, n * self._layer_page, peer.info["dev"]))
         with self._lock:
             local = self._agent.get_xfer_descs(local_descs, self._mem)
             far = self._agent.get_xfer_descs(remote_descs, peer.info["mem"])
@@ -121,6 +128,7 @@ class NixlTransport(Transport):
             raise RuntimeError("nixl transfer failed")
 
     def drop_peer(self, decode_id: str) -> None:
+        self._slices.tcp.drop_peer(decode_id)
         with self._lock:
             name = self._peers.pop(decode_id, None)
             if name is not None:
@@ -129,6 +137,7 @@ class NixlTransport(Transport):
     def close(self) -> None:
         if self._agent is None:
             return
+        self._slices.close()
         self._stop.set()
         if self._progress is not None:
             self._progress.join()

@@ -238,7 +238,7 @@ class PrefillSide:
                 if len(src) and peer.heads.count:
                     self.stats.add_bytes(self.transport.write(peer, st.room, self.prefill_id, src, pages))
                 if done is not None and st.status != KVPoll.Failed:
-                    if self.transport.inband_done:
+                    if self.transport.inband_done_for(peer):
                         self.transport.finish(peer, st.room, self.prefill_id, encode_msg(done))
                     else:
                         self._send(peer.endpoint, done)
