@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 
-def create_role(mode: str, sched: "Scheduler", activate: bool = True):
+def create_role(mode: str, sched: RoleLoop, activate: bool = True):
     """Build a role's components (imported lazily: only a PD role needs the transfer layer).
 
     An inactive role holds its components but serves no one (a prefill role's bootstrap

@@ -1,14 +1,13 @@
-"""The role strategy interface: what one scheduler loop delegates to its active role."""
+"""The role strategy interface: what one scheduler loop delegates to its active role.
+
+(What a role may use of the loop in turn is `tidal.roles.loop.RoleLoop`.)"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Protocol
+from typing import Optional, Protocol
 
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
-
-if TYPE_CHECKING:
-    pass
 
 
 class Role(Protocol):

@@ -30,7 +30,7 @@ from tidal.roles.handover import HandoverRole
 from tidal.roles.ranks import FaultInjector, SwitchFailed, agree, any_rank
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import ControllerLoop
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class PendingSwitch:
 
 
 class ModeController:
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: ControllerLoop):
         self.s = sched
         self.enabled = sched.args.enable_dynamic_disaggregation
         self.keep_components = sched.args.keep_role_components
@@ -141,14 +141,14 @@ class ModeController:
         """What the new role of a handover holds of its own, for messages."""
         s, new = self.s, self.s.role.new
         prompts = sum(r.pd is not None for r in self._prompts())
-        locked = s.mem.tree_cache.protected_size() if s.role.replaced_cache else 0
+        locked = s.tree_cache.protected_size() if s.role.replaced_cache else 0
         parts = [f"{k} {v}" for k, v in new.queue_sizes().items() if v]
         parts += [f"{prompts} PD prompts to prefill"] if prompts else []
         parts += [f"{locked} prefix-cache tokens in use"] if locked else []
         return ", ".join(parts) or "a pass in flight"
 
     def _prompts(self) -> list:
-        chunked = self.s.planner.chunked_req
+        chunked = self.s.chunked_req
         return self.s.waiting_queue + ([chunked] if chunked is not None else [])
 
     def _reversible(self) -> bool:
@@ -159,13 +159,13 @@ class ModeController:
         s, role = self.s, self.s.role
         if s.inflight is not None or not role.new.is_idle() or any(r.pd is not None for r in self._prompts()):
             return False
-        return not role.replaced_cache or (s.planner.chunked_req is None and s.mem.tree_cache.protected_size() == 0)
+        return not role.replaced_cache or (s.chunked_req is None and s.tree_cache.protected_size() == 0)
 
     def _ready(self, p: PendingSwitch) -> bool:
         """Nothing left that the switch must wait for: every request gone, or for a handover that replaces
         the prefix cache a chunked prefill (its prefix moves to the new prefix cache only once whole)."""
         if p.handover:
-            return self.s.planner.chunked_req is None or self._keeps_cache(p.msg.mode)
+            return self.s.chunked_req is None or self._keeps_cache(p.msg.mode)
         return self.s.is_idle()
 
     def _wants_radix(self, mode: str) -> bool:
@@ -174,7 +174,7 @@ class ModeController:
 
     def _keeps_cache(self, mode: str) -> bool:
         """The role `mode` uses the prefix cache there is (null <-> prefill)."""
-        return self._wants_radix(mode) == (not getattr(self.s.mem.tree_cache, "disable", False))
+        return self._wants_radix(mode) == (not getattr(self.s.tree_cache, "disable", False))
 
     def _invalid(self, mode: str) -> Optional[tuple[int, str]]:
         if not self.enabled:
@@ -277,7 +277,7 @@ class ModeController:
         s, mode = self.s, p.msg.mode
         t0 = time.monotonic()
         self.state = TransitionState.SWITCHING
-        old_role, old_cache = s.role, s.mem.tree_cache
+        old_role, old_cache = s.role, s.tree_cache
         made: dict[str, Any] = {"role": None, "cache": None}
 
         def check() -> None:
@@ -376,7 +376,7 @@ class ModeController:
             return self._reply(p.msg, code, f"{self.last_error}; {self._still_handing_over()}")
         held = self._held(role.old)
         if made["cache"] is not None:
-            s.mem.tree_cache.flush()  # nothing in it is locked (checked): every request owns its KV
+            s.tree_cache.flush()  # nothing in it is locked (checked): every request owns its KV
             s.set_cache(made["cache"])
             role.reroot(made["cache"].root_node)
         s.role = role.old
@@ -393,12 +393,12 @@ class ModeController:
         if handover:
             if self.s.inflight is not None:
                 raise SwitchFailed("a pass is in flight", 503)
-            if self.s.planner.chunked_req is not None and not keeps_cache:
+            if self.s.chunked_req is not None and not keeps_cache:
                 raise SwitchFailed("a chunked prefill is in flight", 503)
             return
         if not self.s.is_idle():
             raise SwitchFailed(f"queues not empty: {self.queue_sizes()}", 503)
-        if self.s.mem.tree_cache.protected_size() > 0:
+        if self.s.tree_cache.protected_size() > 0:
             raise SwitchFailed("the prefix cache still has locked entries")
 
     def _cache_for(self, mode: str, flush: bool, radix: Optional[bool] = None):
@@ -408,7 +408,7 @@ class ModeController:
         if radix is None and self._keeps_cache(mode):
             return None
         want_radix = self._wants_radix(mode) if radix is None else radix
-        if not want_radix and mem.tree_cache.total_size() > 0 and not flush:
+        if not want_radix and self.s.tree_cache.total_size() > 0 and not flush:
             raise SwitchFailed("decode needs an empty prefix cache: it holds entries and flush_cache is false", 409)
         return mem.make_cache(radix=want_radix)
 
@@ -466,7 +466,7 @@ class ModeController:
             except Exception:
                 logger.exception("releasing the half-started %s role failed", p.msg.mode)
         self.s.role = old_role
-        if self.s.mem.tree_cache is not old_cache:
+        if self.s.tree_cache is not old_cache:
             self.s.set_cache(old_cache)
         self.last_error = f"switch to {p.msg.mode} failed{why}"
         self._to_idle()

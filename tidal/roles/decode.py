@@ -26,7 +26,7 @@ from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 class DecodeRole:
     name = "decode"
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: RoleLoop):
         self.s = sched
         self.transfer = TransferComponents(sched, "decode", None)
         self.prealloc_queue: list[Req] = []
@@ -108,7 +108,7 @@ class DecodeRole:
         mem.req_to_token[req.req_pool_idx, :n] = slots
         req.kv_len = n
         req.fill_ids = req.origin_input_ids
-        req.last_node = mem.tree_cache.root_node
+        req.last_node = s.tree_cache.root_node
         req.pd.metadata_idx = idx
         req.pd.peer.init(page_indices(s, req, 0, n, include_partial=True), idx)
         return True

@@ -28,11 +28,11 @@ from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 
 class HandoverRole:
-    def __init__(self, sched: "Scheduler", new: Any, old: Any) -> None:
+    def __init__(self, sched: RoleLoop, new: Any, old: Any) -> None:
         self.s, self.new, self.old = sched, new, old
         self.name = new.name
         self.answers_owed_s = 0.0  # prefill: decode time the handed-over answers are owed
@@ -97,7 +97,7 @@ class HandoverRole:
         if self.name == "null":
             return True
         s = self.s
-        chunked = s.planner.chunked_req
+        chunked = s.chunked_req
         mine = [r for r in s.waiting_queue + ([chunked] if chunked is not None else []) if not r.is_embedding]
         return not s.running and all(r.pd is not None for r in mine)
 

@@ -9,13 +9,13 @@ from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 
 class NullRole:
     name = "null"
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: RoleLoop):
         self.s = sched
 
     def accept(self, req: Req) -> None:

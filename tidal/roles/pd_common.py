@@ -13,7 +13,7 @@ from tidal.messages import FinishReason
 from tidal.scheduler.req import Req
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
 class TransferComponents:
     """A KV manager and metadata slots for one role; `shutdown()` releases all of it."""
 
-    def __init__(self, sched: "Scheduler", mode: str, bootstrap_port: Optional[int]):
+    def __init__(self, sched: RoleLoop, mode: str, bootstrap_port: Optional[int]):
         from tidal.transfer import KVArgs, MetadataBuffers, create_kv_manager
 
         args = sched.args
@@ -77,7 +77,7 @@ def bootstrap_addr_of(req: Req, args: Any) -> str:
     return f"{req.bootstrap_host}:{port}"
 
 
-def page_indices(sched: "Scheduler", req: Req, first_page: int, end_token: int, include_partial: bool) -> np.ndarray:
+def page_indices(sched: RoleLoop, req: Req, first_page: int, end_token: int, include_partial: bool) -> np.ndarray:
     """Page ids holding the request's tokens from page `first_page` up to `end_token`."""
     ps = sched.mem.page_size
     last_page = -(-end_token // ps) if include_partial else end_token // ps
@@ -87,7 +87,7 @@ def page_indices(sched: "Scheduler", req: Req, first_page: int, end_token: int, 
     return (slots // ps).numpy().astype(np.int64)
 
 
-def fail_request(sched: "Scheduler", req: Req, reason: str, status_code: int = 500) -> None:
+def fail_request(sched: RoleLoop, req: Req, reason: str, status_code: int = 500) -> None:
     """End a PD request with a clear error; its KV goes back (both sides free theirs)."""
     logger.warning("request %s failed: %s", req.rid, reason)
     req.finish(FinishReason(type="abort", message=reason, status_code=status_code))

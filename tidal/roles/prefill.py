@@ -24,7 +24,7 @@ from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
-    from tidal.scheduler.scheduler import Scheduler
+    from tidal.roles.loop import RoleLoop
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 class PrefillRole:
     name = "prefill"
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: RoleLoop):
         from tidal.transfer import BootstrapServer
 
         self.s = sched

@@ -50,7 +50,10 @@ logger = logging.getLogger(__name__)
 
 
 class Scheduler:
-    """Owns every live Req, the KV memory and the runner; the role decides what runs."""
+    """Owns every live Req, the KV memory and the runner; the role decides what runs.
+
+    Roles see it only as `tidal.roles.loop.RoleLoop` (the controller as `ControllerLoop`): what they
+    may use of it is listed there."""
 
     def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None):
         from tidal.parallel import SingleRank
@@ -443,6 +446,16 @@ class Scheduler:
     def is_idle(self) -> bool:
         return (self.inflight is None and not self.waiting_queue and not self.live_reqs()
                 and not self.grammars.waiting and self.role.is_idle())
+
+    @property
+    def tree_cache(self):
+        """The prefix cache in use; replaced only by set_cache."""
+        return self.mem.tree_cache
+
+    @property
+    def chunked_req(self) -> Optional[Req]:
+        """The request whose chunked prefill is midway, or None."""
+        return self.planner.chunked_req
 
     def set_cache(self, cache) -> None:
         """Swap the prefix cache (role switches); everything that matches prefixes follows."""
