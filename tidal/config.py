@@ -14,6 +14,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
+SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's names (tidal/spec)
 DISAGG_MODES = ("null", "prefill", "decode")
 # (from, to): the switches that may hand over (roles/handover.py) instead of draining. A null server
 # switching to decode cannot: the decode role prefills none of the prompts it held.
@@ -201,6 +202,11 @@ class ServerArgs:
     max_loras_per_batch: int = 8
     max_lora_rank: Optional[int] = None
     lora_target_modules: tuple[str, ...] = ()
+    # speculative decoding (tidal/spec): guesses verified in one target pass per step
+    speculative_algorithm: Optional[str] = None
+    speculative_num_draft_tokens: int = 4  # guesses per request and step
+    speculative_ngram_min_match_window_size: int = 1
+    speculative_ngram_max_match_window_size: int = 12
 
     @property
     def model_name(self) -> str:
@@ -260,6 +266,22 @@ class ServerArgs:
 
         parse_kv_events_config(self.kv_events_config)  # ValueError with the reason
         self._validate_lora()
+        self._validate_speculative()
+
+    def _validate_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo.upper() not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(f"--speculative-algorithm must be one of {SPECULATIVE_ALGORITHMS}, got {algo!r}")
+        if self.speculative_num_draft_tokens < 1:
+            raise ValueError("--speculative-num-draft-tokens must be >= 1")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        if not 1 <= lo <= hi:
+            raise ValueError("need 1 <= --speculative-ngram-min-match-window-size <= "
+                             "--speculative-ngram-max-match-window-size")
+        if self.is_embedding:
+            raise ValueError("--speculative-algorithm does not apply to an embedding model (--is-embedding)")
 
     def _validate_lora(self) -> None:
         from tidal.model.lora_config import check_lora_args
@@ -381,6 +403,16 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="publish the prefix cache's KV events over ZMQ for a KV-aware router: SGLang's JSON, e.g. "
            '\'{"publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\' '
            "(* is --host), or a path to such a file (default: none, no events)")
+    a("--speculative-algorithm", default=None, type=str.upper, choices=SPECULATIVE_ALGORITHMS,
+      help="speculative decoding: NGRAM guesses the next tokens from earlier occurrences of the latest ones "
+           "in the prompt and output (prompt lookup); one target pass per step verifies every guess of the batch "
+           "(greedy output unchanged, sampled output keeps its distribution); the overlap schedule is off with it")
+    a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
+      help="with --speculative-algorithm: guesses per request and step")
+    a("--speculative-ngram-min-match-window-size", type=int, default=d.speculative_ngram_min_match_window_size,
+      help="NGRAM: the shortest suffix of the latest tokens that may propose")
+    a("--speculative-ngram-max-match-window-size", type=int, default=d.speculative_ngram_max_match_window_size,
+      help="NGRAM: the longest suffix tried (longest match first)")
     a("--enable-integrity-check", action="store_true", help="check KV pool integrity whenever the scheduler is idle")
     a("--watchdog-timeout", type=float, default=d.watchdog_timeout, help="seconds without scheduler output before requests fail (and TP collectives time out)")
     a("--http-read-timeout-secs", type=float, default=d.http_read_timeout_secs,

@@ -171,6 +171,12 @@ class StatsResp(_Msg):
     handing_over_from: str = ""  # during a handover: the role whose requests it still finishes ("" otherwise)
     queue_sizes: dict[str, int] = {}
     num_overlapped_batches: int = 0  # decode passes launched while the previous one ran
+    # speculative decoding (tidal/spec.speculator.Speculator.stats); zeros without it
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_accept_length: float = 0.0  # tokens gained per request and verification pass (>= 1)
+    spec_accept_rate: float = 0.0  # guesses kept / guesses made
     # KV transfer (prefill/decode roles): counters and a latency histogram {le: count}
     transfer_bytes: int = 0
     transfer_succeeded: int = 0

@@ -27,6 +27,7 @@ from tidal.scheduler.schedule_batch import (
     build_decode_batch,
     build_extend_batch,
 )
+from tidal.spec.verify import accepted, build_verify_batch
 
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
@@ -192,7 +193,12 @@ class BatchPlanner:
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
         reqs = s.decode_candidates()
-        return build_decode_batch(reqs, mem, s.runner.kv_pool) if reqs else None
+        if not reqs:
+            return None
+        drafts = s.speculator.drafts(reqs, mem) if s.speculator is not None else None
+        if drafts is not None:
+            return build_verify_batch(reqs, drafts, mem, s.runner.kv_pool)
+        return build_decode_batch(reqs, mem, s.runner.kv_pool)
 
     def retract_decode(self) -> None:
         """Free KV by sending the youngest requests (of the lowest priority first, with priority
@@ -234,7 +240,9 @@ class BatchPlanner:
     # ------------------------------------------------------------------ results
 
     def process_result(self, batch: ScheduleBatch, result) -> None:
-        if batch.mode is ForwardMode.EXTEND:
+        if batch.drafts is not None:
+            self.process_verify_result(batch, result)
+        elif batch.mode is ForwardMode.EXTEND:
             self.process_extend_result(batch, result)
         else:
             self.process_decode_result(batch, result)
@@ -295,6 +303,30 @@ class BatchPlanner:
             if req.finished and not s.in_flight(req):  # else released when that pass is processed
                 s.mem.release(req)
             s.emit(req)
+        s.running = [r for r in s.running if not r.finished]
+
+    def process_verify_result(self, batch: ScheduleBatch, result) -> None:
+        """Apply a verification pass: each request gains its kept guesses and the target's next
+        token (up to where it finishes), and the KV of the rest is freed."""
+        s = self.s
+        _, out = result
+        sampled = out.next_token_ids.tolist()
+        gained = []
+        for req, span, draft in zip(batch.reqs, batch.spans, batch.drafts, strict=True):
+            tokens = accepted(draft, sampled[span.first : span.first + span.count])
+            kept = 0
+            for j, token in enumerate(tokens):
+                if req.finished:
+                    break
+                self.append_token(req, token, out, span.first + j)
+                kept += 1
+            gained.append(tokens[:kept])
+            # KV stays for the last output token and the kept guesses before the newest one
+            s.mem.drop_tail(req, span.first_pos + kept)
+            if req.finished:
+                s.mem.release(req)
+            s.emit(req)
+        s.speculator.record(batch.drafts, gained)
         s.running = [r for r in s.running if not r.finished]
 
     def append_token(self, req: Req, token: int, out, row: int) -> None:

@@ -101,6 +101,16 @@ class KVMemory:
         if pos % self.page_size == 0:
             self.allocator.free(self.req_to_token[req.req_pool_idx, pos : pos + 1].clone())
 
+    def drop_tail(self, req: Req, keep: int) -> None:
+        """Forget the KV of positions keep .. kv_len - 1 (guesses the target rejected): frees
+        the pages that start there; a page shared with a kept position stays (its stale tail
+        is overwritten as decoding goes on)."""
+        ps = self.page_size
+        first = -(-keep // ps) * ps  # the first page boundary at or after keep
+        if first < req.kv_len:
+            self.allocator.free(self.req_to_token[req.req_pool_idx, first : req.kv_len : ps].clone())
+        req.kv_len = keep
+
     def cache_unfinished(self, req: Req) -> None:
         self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
 

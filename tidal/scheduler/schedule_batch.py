@@ -32,6 +32,9 @@ class ScheduleBatch:
     spans: list[RowSpan] = field(default_factory=list)
     forward_batch: Optional[ForwardBatch] = None
     logit_rows: Optional[torch.Tensor] = None
+    # a speculative verification pass (tidal/spec): each request's guesses, one logits row per
+    # position of [last output token, *guesses]
+    drafts: Optional[list[list[int]]] = None
 
     def __len__(self) -> int:
         return len(self.reqs)

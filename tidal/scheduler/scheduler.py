@@ -33,6 +33,8 @@ from tidal.messages import (
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.model.pooling import resolve_pooling
+from tidal.spec.speculator import Speculator
+from tidal.spec.verify import row_outputs
 from tidal.scheduler.batching import BatchPlanner
 from tidal.scheduler.embedding import NOT_EMBEDDING_SERVER, Embedder
 from tidal.scheduler.lora import LoRAScheduling
@@ -92,9 +94,10 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.timing = StepTiming()
         self.last_batch_size = 0
+        self.speculator = Speculator(args, self.context_length) if args.speculative_algorithm else None
         # decode passes overlap the scheduler's work (not with TP: the ranks' collectives
-        # would run from two threads)
-        self.overlap = not args.disable_overlap_schedule and self.tp.size == 1
+        # would run from two threads; not with speculation: its guesses need the last token)
+        self.overlap = not args.disable_overlap_schedule and self.tp.size == 1 and self.speculator is None
         self.forward_thread = ForwardThread()
         self.inflight: Optional[InFlight] = None
         self.outbox: list[ReqOutput] = []
@@ -296,7 +299,10 @@ class Scheduler:
             logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
         t1 = now()
         self.timing.add("forward", t1 - t0)
-        out = self._sample(batch, logits, self._sampling_info(batch), self._grammar_batch(batch))
+        if batch.drafts is not None:
+            out = self._sample(batch, logits, self._verify_sampling_info(batch), every_row=True)
+        else:
+            out = self._sample(batch, logits, self._sampling_info(batch), self._grammar_batch(batch))
         self.stats.on_batch(batch)
         self.timing.add("sample", now() - t1)
         return logits, out
@@ -314,6 +320,19 @@ class Scheduler:
             list(self.stop.eos_ids),
         )
 
+    def _verify_sampling_info(self, batch: ScheduleBatch) -> SamplingBatchInfo:
+        """One row per position of each request's guesses, sampled as if the guesses before it were output."""
+        reqs, drafts = batch.reqs, batch.drafts
+        rows = [(r, len(d) + 1) for r, d in zip(reqs, drafts, strict=True)]
+        return SamplingBatchInfo.build(
+            [r.sampling for r, n in rows for _ in range(n)],
+            row_outputs(reqs, drafts),
+            [r.origin_input_ids for r, n in rows for _ in range(n)],
+            self.runner.model_config.vocab_size,
+            self.runner.device,
+            list(self.stop.eos_ids),
+        )
+
     def _grammar_batch(self, batch: ScheduleBatch) -> Optional[GrammarBatch]:
         """The constrained rows whose sampled token is an output (not a chunk's or a prompt-only one)."""
         if all(r.grammar is None for r in batch.reqs):
@@ -325,12 +344,13 @@ class Scheduler:
         return GrammarBatch.of(batch.reqs, kept, self.runner.model_config.vocab_size)
 
     def _sample(self, batch: ScheduleBatch, logits: torch.Tensor, info: SamplingBatchInfo,
-                grammar: Optional[GrammarBatch] = None):
+                grammar: Optional[GrammarBatch] = None, every_row: bool = False):
         """Runs in the thread that runs the pass; grammar masks are computed here, right before
-        the draw, and the matchers advance right after it."""
+        the draw, and the matchers advance right after it. every_row: a verification pass,
+        whose every logits row is drawn (its requests have no grammar)."""
         last_rows = torch.tensor([s.last for s in batch.spans], dtype=torch.int64, device=logits.device)
-        sample_logits = logits if len(last_rows) == logits.shape[0] else logits[last_rows]
-        reqs = batch.reqs
+        sample_logits = logits if every_row or len(last_rows) == logits.shape[0] else logits[last_rows]
+        reqs = [r for r, s in zip(batch.reqs, batch.spans) for _ in range(s.count)] if every_row else batch.reqs
         if grammar is not None:
             info.allowed_tokens = grammar.allowed_tokens(sample_logits.device)
         out = self.sampler.sample(
@@ -530,6 +550,7 @@ class Scheduler:
                          "grammar": len(self.grammars.waiting),
                          **self.role.queue_sizes()},
             queued_prefill_tokens=self.queued_prefill_tokens(),
+            **(self.speculator.stats() if self.speculator is not None else {}),
             **self._transfer_stats(),
         )
 
