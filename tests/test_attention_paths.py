@@ -89,6 +89,27 @@ def test_bag_decode_after_prefix_cache_extend(runner, page_size):
         tokens = sdpa.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_short_extends_batched_match_the_per_request_loop(runner, page_size, monkeypatch):
+    """Speculative verification's shape: ragged prefixes, 1-5 new tokens each; the batched
+    short-extend path gives the per-request loop's logits at every row."""
+    kv = PagedKV(runner.model_config, page_size=page_size, seed=70 + page_size)
+    prompts = _prompts(4, seed=5)
+    runner.forward(make_batch(kv, ForwardMode.EXTEND, [(r, p, 0) for r, p in enumerate(prompts)]),
+                   torch.tensor(list(torch.tensor([len(p) for p in prompts]).cumsum(0) - 1)))
+    news = [[11, 12, 13], [14], [15, 16, 17, 18, 19], [20, 21]]
+    reqs = [(r, n, len(p)) for r, (p, n) in enumerate(zip(prompts, news))]
+    out = {}
+    for short in (True, False):
+        if not short:
+            monkeypatch.setattr(attention, "SHORT_EXTEND_MAX", 0)
+        fb = make_batch(kv, ForwardMode.EXTEND, reqs)  # rewrites the same KV slots
+        out[short] = runner.forward(fb, torch.arange(fb.num_tokens))
+        assert (fb.attn_metadata.short is not None) == short
+    assert float((out[True] - out[False]).abs().max()) < PATH_ATOL
+    assert out[True].argmax(-1).tolist() == out[False].argmax(-1).tolist()
+
+
 def _decode_batch(pool_dtype: torch.dtype, bs: int, seq_len: int):
     from tidal.model.forward_batch import ForwardBatch
 

@@ -95,3 +95,25 @@ def test_greedy_verification_is_the_argmax_chain():
     assert out == [1, 0, 2]
     (out,) = _verify_many(logits, [1, 2], SamplingParams(temperature=0.0), 1)
     assert out == [1, 0]
+
+
+def test_guesses_are_made_only_where_they_pay():
+    from types import SimpleNamespace
+
+    from tidal.spec.speculator import EXPLORE_EVERY, Speculator
+
+    args = SimpleNamespace(speculative_num_draft_tokens=4, speculative_ngram_min_match_window_size=1,
+                           speculative_ngram_max_match_window_size=12)
+    spec = Speculator(args, 4096)
+    spec.cost.fixed_over_per_token = lambda: 4.0
+
+    def req(kept: float, refused: float, idle: int = 0):
+        return SimpleNamespace(spec_kept=kept, spec_refused=refused, spec_idle=idle)
+
+    good = [req(9, 1)]  # 0.9 of its guesses kept: all four pay alone in a pass
+    assert spec._worth_it(good, [[1, 2, 3, 4]]) == [[1, 2, 3, 4]]
+    coin = [req(1, 1) for _ in range(8)]  # a coin flip per guess does not pay beside 7 others
+    assert spec._worth_it(coin, [[1, 2]] * 8) == [[]] * 8
+    stale = [req(1, 1, idle=EXPLORE_EVERY) for _ in range(8)]  # ... unless its record is stale: one guess each
+    assert spec._worth_it(stale, [[1, 2]] * 8) == [[1]] * 8
+    assert all(r.spec_idle == 0 for r in stale) and all(r.spec_idle == 1 for r in coin)

@@ -19,7 +19,11 @@ EXTEND loops over requests: padding ragged prompts to the longest one wastes up 
 attention work, and on CPU torch's flash kernel is several times slower with an explicit mask
 than with is_causal. A fresh prompt (no cached prefix) attends to its new k/v directly with
 is_causal; a prompt on top of a cached prefix (prefix cache hit, or the previous chunk of a
-chunked prefill) gathers its slots and uses a bottom-right-aligned causal mask.
+chunked prefill) gathers its slots and uses a bottom-right-aligned causal mask. A batch of
+short extends on cached prefixes (speculative verification: each request's last token and
+its few guesses) is batched like DECODE instead, E query rows per request over the padded
+slot table with a [B, 1, E, L] causal mask (`ShortExtend`), since a loop of B small
+attention calls per layer cost more than the padding.
 """
 
 from __future__ import annotations
@@ -52,11 +56,24 @@ class BagDecode:
 
 
 @dataclass
+class ShortExtend:
+    """EXTEND of at most SHORT_EXTEND_MAX new tokens per request, every one on a cached prefix."""
+    kv_index: torch.Tensor  # [B, L] KV slots, padding -> 0
+    mask: torch.Tensor  # bool [B, 1, E, L]: query i of request b sees keys j <= prefix_b + i
+    q_index: torch.Tensor  # [B, E] flat token of each query row (padding rows -> the request's first)
+    out_rows: torch.Tensor  # [T] row of [B * E] that holds each flat token's output
+
+
+SHORT_EXTEND_MAX = 8
+
+
+@dataclass
 class TorchNativeMetadata:
     kv_index: Optional[torch.Tensor] = None  # DECODE: [B, L] KV slots, padding -> 0
     mask: Optional[torch.Tensor] = None  # DECODE: bool [B, 1, 1, L], or None when no row is padded
     bag: Optional[BagDecode] = None  # DECODE: set when this pass takes the "bag" path
     segments: list[ExtendSegment] = field(default_factory=list)  # EXTEND: one per request
+    short: Optional[ShortExtend] = None  # EXTEND of short runs on cached prefixes, batched
 
 
 DECODE_PATHS = ("auto", "sdpa", "bag")
@@ -89,8 +106,32 @@ class TorchNativeAttnBackend:
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         if fb.forward_mode == ForwardMode.DECODE:
             fb.attn_metadata = self._decode_metadata(fb)
+        elif self._is_short_extend(fb):
+            fb.attn_metadata = TorchNativeMetadata(short=self._short_metadata(fb))
         else:
             fb.attn_metadata = self._extend_metadata(fb)
+
+    @staticmethod
+    def _is_short_extend(fb: ForwardBatch) -> bool:
+        return (fb.batch_size > 1 and max(fb.extend_seq_lens_cpu) <= SHORT_EXTEND_MAX
+                and min(fb.extend_prefix_lens_cpu) > 0)
+
+    @staticmethod
+    def _short_metadata(fb: ForwardBatch) -> ShortExtend:
+        dev = fb.req_to_token.device
+        ext, prefix = fb.extend_seq_lens, fb.extend_prefix_lens
+        e, max_len = max(fb.extend_seq_lens_cpu), max(fb.seq_lens_cpu)
+        slots = fb.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
+        keys = torch.arange(max_len, device=dev)
+        valid = keys[None, :] < fb.seq_lens[:, None]
+        rows = torch.arange(e, device=dev)
+        mask = keys[None, None, :] <= (prefix[:, None] + rows[None, :])[:, :, None]  # [B, E, L]
+        mask &= valid[:, None, :]
+        starts = torch.cumsum(ext, 0) - ext  # each request's first flat token
+        in_run = rows[None, :] < ext[:, None]  # [B, E]
+        q_index = torch.where(in_run, starts[:, None] + rows[None, :], starts[:, None])
+        out_rows = (torch.arange(fb.batch_size, device=dev)[:, None] * e + rows[None, :])[in_run]
+        return ShortExtend(torch.where(valid, slots, torch.zeros_like(slots)), mask[:, None], q_index, out_rows)
 
     def _decode_metadata(self, fb: ForwardBatch) -> TorchNativeMetadata:
         max_len = max(fb.seq_lens_cpu)
@@ -160,7 +201,26 @@ class TorchNativeAttnBackend:
         meta: TorchNativeMetadata = fb.attn_metadata
         if fb.forward_mode == ForwardMode.DECODE:
             return self._decode(q, layer_id, fb, meta)
+        if meta.short is not None:
+            return self._short_extend(q, layer_id, fb, meta.short)
         return self._extend(q, k, v, layer_id, fb, meta)
+
+    def _short_extend(self, q: torch.Tensor, layer_id: int, fb: ForwardBatch, meta: ShortExtend) -> torch.Tensor:
+        n_heads, head_dim = q.shape[1:]
+        bs, e = meta.q_index.shape
+        max_len = meta.kv_index.shape[1]
+        k, v = self._gather(layer_id, fb, meta.kv_index)  # [B*L, Hkv, D]
+        n_kv = k.shape[1]
+        group = n_heads // n_kv
+        k = k.view(bs, max_len, n_kv, head_dim).transpose(1, 2).to(q.dtype)  # [B, Hkv, L, D]
+        v = v.view(bs, max_len, n_kv, head_dim).transpose(1, 2).to(q.dtype)
+        # [B, E, H, D] -> [B, Hkv, E * G, D]: a kv head's query heads of every row along the query axis
+        qg = q[meta.q_index].view(bs, e, n_kv, group, head_dim).permute(0, 2, 1, 3, 4).reshape(bs, n_kv, e * group,
+                                                                                              head_dim)
+        mask = meta.mask[:, :, :, None, :].expand(bs, 1, e, group, max_len).reshape(bs, 1, e * group, max_len)
+        out = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)  # [B, Hkv, E * G, D]
+        out = out.view(bs, n_kv, e, group, head_dim).permute(0, 2, 1, 3, 4).reshape(bs * e, n_heads * head_dim)
+        return out[meta.out_rows]
 
     def _workspace(self, n: int, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Two reusable [n, Hkv, D] buffers for gathered K and V.

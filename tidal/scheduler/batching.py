@@ -326,7 +326,7 @@ class BatchPlanner:
             if req.finished:
                 s.mem.release(req)
             s.emit(req)
-        s.speculator.record(batch.drafts, gained)
+        s.speculator.record(batch.reqs, batch.drafts, gained)
         s.running = [r for r in s.running if not r.finished]
 
     def append_token(self, req: Req, token: int, out, row: int) -> None:

@@ -60,6 +60,10 @@ class Req:
         self.num_retractions = 0
         self.sent_len = 0  # output tokens already sent to the API process
         self.first_prefill_done = False
+        # speculative decoding: its guesses kept and refused, decayed (a prior of one each)
+        self.spec_kept = 1.0
+        self.spec_refused = 1.0
+        self.spec_idle = 1 << 20  # steps since it last guessed (its first chance explores)
 
         self.output_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []

@@ -299,6 +299,8 @@ class Scheduler:
             logits = self.runner.forward(batch.forward_batch, batch.logit_rows)
         t1 = now()
         self.timing.add("forward", t1 - t0)
+        if self.speculator is not None and batch.mode is ForwardMode.DECODE or batch.drafts is not None:
+            self.speculator.cost.observe(batch.forward_batch.num_tokens, t1 - t0)
         if batch.drafts is not None:
             out = self._sample(batch, logits, self._verify_sampling_info(batch), every_row=True)
         else:

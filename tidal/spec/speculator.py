@@ -3,11 +3,16 @@ and the step decodes as usual), and the accept-length statistics."""
 
 from __future__ import annotations
 
+import heapq
 from typing import Any, Optional
 
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.req import Req
+from tidal.spec.cost import PassCost
 from tidal.spec.ngram import NgramProposer
+
+DECAY = 0.8  # weight of a request's earlier verifications against its latest
+EXPLORE_EVERY = 8  # a request that has not guessed for this many steps guesses once anyway (its record may be stale)
 
 
 class Speculator:
@@ -16,6 +21,7 @@ class Speculator:
                                       args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
         self.context_length = context_length
+        self.cost = PassCost()
         self.verify_steps = 0  # requests x verification passes
         self.draft_tokens = 0
         self.accepted_tokens = 0  # guesses the target kept
@@ -26,11 +32,42 @@ class Speculator:
         constrained request in the batch, or too little KV for the guesses)."""
         if any(r.grammar is not None for r in reqs):
             return None  # its matcher would have to follow every guess
-        drafts = [self.proposer.propose(r.all_ids, self._room(r)) for r in reqs]
+        drafts = self._worth_it(reqs, [self.proposer.propose(r.all_ids, self._room(r)) for r in reqs])
         if not any(drafts):
             return None
         need = sum(1 + len(d) for d in drafts) + len(reqs) * mem.page_size
         return drafts if need <= mem.available_tokens() else None
+
+    def _worth_it(self, reqs: list[Req], proposals: list[list[int]]) -> list[list[int]]:
+        """The proposals cut to the guesses that raise the pass's expected tokens per second.
+
+        A request's j-th guess is kept with probability a^j, a being its guesses' record
+        (kept / (kept + refused), decayed); a pass of T tokens costs fixed + per_token * T.
+        Guesses are taken best first while the next one's expected tokens exceed what its
+        token of work yields at the rate reached so far: a^j * (fixed / per_token + T) > gained.
+        A request idle for EXPLORE_EVERY steps guesses once first, so a record can recover.
+        """
+        ratio = self.cost.fixed_over_per_token()
+        rate = [r.spec_kept / (r.spec_kept + r.spec_refused) for r in reqs]
+        take = [1 if p and r.spec_idle >= EXPLORE_EVERY else 0 for r, p in zip(reqs, proposals, strict=True)]
+        gained = len(reqs) + sum(a for a, k in zip(rate, take) if k)
+        tokens = len(reqs) + sum(take)
+        heap = [(-a ** (k + 1), i) for i, (a, p, k) in enumerate(zip(rate, proposals, take, strict=True))
+                if len(p) > k]
+        heapq.heapify(heap)
+        while heap:
+            value, i = heapq.heappop(heap)
+            value = -value
+            if value * (ratio + tokens) <= gained:
+                break  # the best guess left does not pay; no other does
+            take[i] += 1
+            gained += value
+            tokens += 1
+            if take[i] < len(proposals[i]):
+                heapq.heappush(heap, (-value * rate[i], i))
+        for r, k in zip(reqs, take, strict=True):
+            r.spec_idle = 0 if k else r.spec_idle + 1
+        return [p[:k] for p, k in zip(proposals, take, strict=True)]
 
     def _room(self, req: Req) -> int:
         """Guesses that can still become output: the target's own token comes after them."""
@@ -38,7 +75,12 @@ class Speculator:
                    self.context_length - len(req.origin_input_ids) - len(req.output_ids))
         return left - 1
 
-    def record(self, drafts: list[list[int]], gained: list[list[int]]) -> None:
+    def record(self, reqs: list[Req], drafts: list[list[int]], gained: list[list[int]]) -> None:
+        for req, d, g in zip(reqs, drafts, gained, strict=True):
+            if d:
+                kept = min(len(g) - 1, len(d))
+                req.spec_kept = req.spec_kept * DECAY + kept
+                req.spec_refused = req.spec_refused * DECAY + (kept < len(d))
         self.verify_steps += len(drafts)
         self.draft_tokens += sum(len(d) for d in drafts)
         self.emitted_tokens += sum(len(g) for g in gained)
