@@ -61,6 +61,7 @@ async def burst(url: str) -> None:
         await asyncio.gather(*(connect_and_drop(client, url, i) for i in range(CLIENTS)))
 
 
+@pytest.mark.slow
 def test_admin_endpoints_answer_within_1s_while_200_streaming_clients_connect_and_drop():
     server = Server("--torch-threads", "1")
     poller = Poller(server.url)

@@ -33,16 +33,16 @@ def gen(url: str, text: str, n: int = N, **fields) -> dict:
 
 @pytest.fixture(scope="module")
 def servers():
-    """A plain null server (the reference), a plain prefill, and a speculating decode server that may switch."""
+    """A plain server (the null reference, and the prefill of the PD test) and a speculating
+    decode server; both may switch. (ref, prefill, spec): ref and prefill are one server."""
     bport = free_port()
-    ref = Server("--torch-threads", "1")
-    prefill = Server("--torch-threads", "1", "--disaggregation-mode", "prefill", "--disaggregation-transfer-backend",
-                     "tcp", "--disaggregation-bootstrap-port", str(bport))
+    ref = Server("--torch-threads", "1", "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend",
+                 "tcp", "--disaggregation-bootstrap-port", str(bport))
     spec = Server("--torch-threads", "1", *SPEC, "--disaggregation-mode", "decode", "--enable-dynamic-disaggregation",
                   "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check")
-    prefill.bport = bport
-    yield ref, prefill, spec
-    for s in (spec, prefill, ref):
+    ref.bport = bport
+    yield ref, ref, spec
+    for s in (spec, ref):
         s.stop()
 
 
@@ -73,8 +73,12 @@ def switch(url: str, mode: str) -> None:
 
 def test_pd_with_a_speculating_decode_equals_null(servers, reference):
     _, prefill, spec = servers
-    for p in PROMPTS:
-        assert pd_gen(prefill, spec, p) == reference[p]
+    switch(prefill.url, "prefill")
+    try:
+        for p in PROMPTS:
+            assert pd_gen(prefill, spec, p) == reference[p]
+    finally:
+        switch(prefill.url, "null")  # the reference again
     st = spec_stats(spec.url)
     assert st["spec_draft_tokens"] > 0 and st["spec_accepted_tokens"] > 0
     assert st["spec_accept_length"] > 1.2, st

@@ -77,6 +77,7 @@ def test_torch_compile_refuses_tensor_parallel():
         ServerArgs(enable_torch_compile=True, torch_compile_max_bs=0).validate()
 
 
+@pytest.mark.slow  # a second compile in a server process (a minute); the in-process tests above cover the step
 def test_compiled_server_returns_the_eager_servers_tokens():
     """A server with --enable-torch-compile (overlap scheduling on, the step in its worker thread)
     answers concurrent greedy requests with the same tokens as an eager server."""
