@@ -342,7 +342,10 @@ class Dispatcher:
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task.done() and not d_task.done() and not p_leg.ok:
-                return Failure(p_leg, p_leg.retryable)  # decode cannot finish without its KV
+                # decode cannot finish without its KV; cut off now, its breaker is not charged (its call may
+                # have read an error status already, which the cancelled task would otherwise record)
+                d_leg.settle(NEUTRAL)
+                return Failure(p_leg, p_leg.retryable)
             await d_task
             if not d_leg.ok:
                 if not p_task.done():
