@@ -75,15 +75,25 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         rows.append(torch.arange(offset + first_pos - p, offset + n, dtype=torch.int64, device=dev))
         offset += n
 
+    fb = extend_forward_batch(reqs, input_ids, torch.cat(positions), out_loc, prefix_lens, seq_lens, table, kv_pool)
+    return ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.cat(rows))
+
+
+def extend_forward_batch(reqs: list[Req], input_ids: list[int], positions: torch.Tensor, out_loc: torch.Tensor,
+                         prefix_lens: list[int], seq_lens: list[int], table: torch.Tensor, kv_pool) -> ForwardBatch:
+    """The EXTEND pass of these requests: new tokens at [prefix_len, seq_len) of each, flat in request order."""
+    dev = table.device
+    extend_lens = [s - p for p, s in zip(prefix_lens, seq_lens)]
+    as_t = lambda v: torch.tensor(v, dtype=torch.int64, device=dev)  # noqa: E731
     fb = ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-        positions=torch.cat(positions),
+        input_ids=as_t(input_ids),
+        positions=positions,
         out_cache_loc=out_loc,
-        req_pool_indices=torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-        extend_prefix_lens=torch.tensor(prefix_lens, dtype=torch.int64, device=dev),
-        extend_seq_lens=torch.tensor(extend_lens, dtype=torch.int64, device=dev),
+        req_pool_indices=as_t([r.req_pool_idx for r in reqs]),
+        seq_lens=as_t(seq_lens),
+        extend_prefix_lens=as_t(prefix_lens),
+        extend_seq_lens=as_t(extend_lens),
         req_to_token=table,
         kv_pool=kv_pool,
         seq_lens_cpu=seq_lens,
@@ -91,7 +101,7 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
         extend_seq_lens_cpu=extend_lens,
     )
     fb.lora_names = lora_names(reqs)
-    return ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.cat(rows))
+    return fb
 
 
 def lora_names(reqs: list[Req]) -> Optional[list[Optional[str]]]:

@@ -7,10 +7,10 @@ from typing import Sequence
 
 import torch
 
-from tidal.model.forward_batch import ForwardBatch, ForwardMode
+from tidal.model.forward_batch import ForwardMode
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.req import Req
-from tidal.scheduler.schedule_batch import RowSpan, ScheduleBatch, lora_names
+from tidal.scheduler.schedule_batch import RowSpan, ScheduleBatch, extend_forward_batch
 
 
 def build_verify_batch(reqs: list[Req], drafts: list[list[int]], mem: KVMemory, kv_pool) -> ScheduleBatch:
@@ -33,23 +33,7 @@ def build_verify_batch(reqs: list[Req], drafts: list[list[int]], mem: KVMemory, 
         positions.append(torch.arange(kv, s, dtype=torch.int64, device=dev))
         spans.append(RowSpan(first=offset, count=n, first_pos=kv))
         offset += n
-    extend = [s - kv for kv, s in zip(kv_lens, seq_lens)]
-    fb = ForwardBatch(
-        forward_mode=ForwardMode.EXTEND,
-        input_ids=torch.tensor(input_ids, dtype=torch.int64, device=dev),
-        positions=torch.cat(positions),
-        out_cache_loc=out_loc,
-        req_pool_indices=idx,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int64, device=dev),
-        extend_prefix_lens=torch.tensor(kv_lens, dtype=torch.int64, device=dev),
-        extend_seq_lens=torch.tensor(extend, dtype=torch.int64, device=dev),
-        req_to_token=table,
-        kv_pool=kv_pool,
-        seq_lens_cpu=seq_lens,
-        extend_prefix_lens_cpu=kv_lens,
-        extend_seq_lens_cpu=extend,
-    )
-    fb.lora_names = lora_names(reqs)
+    fb = extend_forward_batch(reqs, input_ids, torch.cat(positions), out_loc, kv_lens, seq_lens, table, kv_pool)
     batch = ScheduleBatch(reqs, ForwardMode.EXTEND, spans, fb, torch.arange(offset, dtype=torch.int64, device=dev))
     batch.drafts = drafts
     return batch
