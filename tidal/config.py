@@ -161,6 +161,7 @@ class ServerArgs:
     disaggregation_mode: str = "null"
     disaggregation_transfer_backend: str = "tcp"
     disaggregation_bootstrap_port: int = 8998
+    migration_bootstrap_port: int = 0  # drain by migration: the bootstrap server running requests leave through
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_polling_interval: int = 1
     enable_dynamic_disaggregation: bool = False
@@ -369,6 +370,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--disaggregation-mode", choices=DISAGG_MODES, default=d.disaggregation_mode, help="role at start: null (colocated), prefill or decode")
     a("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default=d.disaggregation_transfer_backend, help="how KV moves from prefill to decode servers")
     a("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port, help="prefill role: port of the bootstrap server decode servers ask")
+    a("--migration-bootstrap-port", type=int, default=d.migration_bootstrap_port, help="drain by migration: port of the bootstrap server the requests that leave this server are pulled through (0: any free port)")
     a("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens, help="decode role: KV tokens reserved per request beyond its prompt")
     a("--disaggregation-decode-polling-interval", type=int, default=d.disaggregation_decode_polling_interval, help="decode role: poll transfers every N scheduler steps")
     a("--enable-dynamic-disaggregation", action="store_true",

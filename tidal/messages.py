@@ -48,6 +48,13 @@ class AbortReq(_Msg):
     abort_all: bool = False
 
 
+class CancelMigrationReq(_Msg):
+    """The API process could not hand a migrating request to its new server: it goes on decoding here."""
+
+    rid: str
+    reason: str = ""
+
+
 class FlushCacheReq(_Msg):
     call_id: int
 
@@ -63,6 +70,10 @@ class SwitchModeReq(_Msg):
     timeout_s: float = 30.0
     flush_cache: bool = True
     handover: bool = False  # decode -> prefill / null, null -> prefill: serve the new role at once, finish the old's
+    # drain_policy migrate: past timeout_s, running requests move to another decode server (tidal/roles/migration.py);
+    # what is still here migrate_timeout_s later fails the switch
+    migrate: bool = False
+    migrate_timeout_s: float = 30.0
 
 
 class PrepareModeReq(_Msg):
@@ -85,7 +96,7 @@ class UnloadLoRAReq(_Msg):
     lora_name: str
 
 
-ToScheduler = Union[GenerateReq, AbortReq, FlushCacheReq, StatsReq, SwitchModeReq, PrepareModeReq, ModeStatusReq,
+ToScheduler = Union[GenerateReq, AbortReq, CancelMigrationReq, FlushCacheReq, StatsReq, SwitchModeReq, PrepareModeReq, ModeStatusReq,
                     LoadLoRAReq, UnloadLoRAReq]
 
 
@@ -105,6 +116,23 @@ class FinishReason(msgspec.Struct, omit_defaults=True):
         return msgspec.to_builtins(self)
 
 
+class MigrationTicket(msgspec.Struct, omit_defaults=True):
+    """A request moving to another decode server with its KV (tidal/roles/migration.py).
+
+    `offer`: its KV (`kv_tokens`: the prompt and every output token but the last) waits for that server
+    behind the bootstrap server at host:port, room `bootstrap_room`; the API process sends the request
+    there and relays its output. `done`: the KV arrived, the request is gone from here, what the relay
+    received is the request's output. `failed`: the request goes on here; the relay's output is dropped.
+    """
+
+    state: str  # offer | done | failed
+    bootstrap_host: str = ""
+    bootstrap_port: int = 0
+    bootstrap_room: int = 0
+    kv_tokens: int = 0
+    message: str = ""
+
+
 class ReqOutput(msgspec.Struct, kw_only=True, array_like=True):
     """Incremental output of one request since the previous ReqOutput for it."""
 
@@ -120,6 +148,7 @@ class ReqOutput(msgspec.Struct, kw_only=True, array_like=True):
     input_logprobs: Optional[list[tuple[Optional[float], int]]] = None
     input_top_logprobs: Optional[list[Optional[list[tuple[float, int]]]]] = None
     embedding: Optional[list[float]] = None  # an embedding request's pooled vector (final output only)
+    migration: Optional[MigrationTicket] = None  # the request is moving to another server (after these tokens)
 
 
 class BatchOut(_Msg):
@@ -208,6 +237,7 @@ class SwitchModeResp(_Msg):
     current_mode: str
     epoch: int
     timings_ms: dict[str, float] = {}
+    migrated: int = 0  # drain_policy migrate: requests offered to other servers during the drain
 
 
 class ModeStatusResp(_Msg):

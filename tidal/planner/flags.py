@@ -15,7 +15,8 @@ VALUE_FLAGS = (("--planner", "planner"), ("--ttft-slo-ms", "ttft_slo_ms"), ("--t
                ("--planner-max-concurrent-moves", "planner_max_concurrent_moves"),
                ("--planner-window-s", "planner_window_s"),
                ("--planner-burst-window-s", "planner_burst_window_s"), ("--planner-hysteresis", "planner_hysteresis"),
-               ("--planner-decode-move", "planner_decode_move"), ("--planner-profile", "planner_profile"))
+               ("--planner-decode-move", "planner_decode_move"),
+               ("--planner-migrate-after-s", "planner_migrate_after_s"), ("--planner-profile", "planner_profile"))
 
 
 PROFILE_HELP = ("a `tidal profile` JSON: predict with its cost model (default: none; then the planner scales the "
@@ -63,7 +64,12 @@ def add_planner_args(parser: argparse.ArgumentParser, profile_help: str = PROFIL
     g.add_argument("--planner-decode-move", choices=DECODE_MOVES, default=d.decode_move,
                    help=f"how a decode worker moves to prefill or null, and a null worker to prefill, by the planner "
                         f"or by hand: handover switches it at once and it finishes what it held in the new role "
-                        f"beside the new work; drain switches it once that has ended (default: {d.decode_move})")
+                        f"beside the new work; drain switches it once that has ended; migrate drains it for "
+                        f"--planner-migrate-after-s, then moves what still runs, KV and all, to the other decode "
+                        f"workers (default: {d.decode_move})")
+    g.add_argument("--planner-migrate-after-s", type=float, default=d.migrate_after_s,
+                   help=f"--planner-decode-move migrate: how long a worker drains before its running requests move "
+                        f"(default: {d.migrate_after_s:g})")
     g.add_argument("--planner-profile", default=None, metavar="PATH", help=profile_help)
 
 
@@ -73,7 +79,7 @@ def planner_config_from_namespace(ns: argparse.Namespace) -> PlannerConfig:
                          worker_cooldown_s=ns.planner_worker_cooldown_s, min_per_pool=ns.planner_min_per_pool,
                          max_concurrent_moves=ns.planner_max_concurrent_moves, window_s=ns.planner_window_s,
                          burst_window_s=ns.planner_burst_window_s, hysteresis=ns.planner_hysteresis,
-                         decode_move=ns.planner_decode_move)
+                         decode_move=ns.planner_decode_move, migrate_after_s=ns.planner_migrate_after_s)
 
 
 def planner_argv(ns: argparse.Namespace) -> list[str]:

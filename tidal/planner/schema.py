@@ -11,7 +11,7 @@ PREFILL, DECODE, NULL = "prefill", "decode", "null"
 MODES = (NULL, PREFILL, DECODE)
 PD_PATH, NULL_PATH = "pd", "null"  # how a request is served: prefill+decode pair, or one worker
 PLANNER_MODES = ("static", "sla", "advise")
-DECODE_MOVES = ("handover", "drain")  # how a decode (or null) worker leaves its pool (PlannerConfig.decode_move)
+DECODE_MOVES = ("handover", "drain", "migrate")  # how a decode (or null) worker leaves its pool (PlannerConfig.decode_move)
 MIN_INTERVAL_S = 0.1  # the shortest --planner-interval-s
 
 
@@ -159,8 +159,11 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
     backoff_base_s: float = 30.0  # after a failed move of a worker; doubles per failure
     backoff_max_s: float = 600.0
     # a decode worker moved to prefill or null, a null worker to prefill: "handover" switches it at once and
-    # it finishes what it held in the new role (roles/handover.py); "drain" switches it once that has ended
+    # it finishes what it held in the new role (roles/handover.py); "drain" switches it once that has ended;
+    # "migrate" drains it for migrate_after_s, then moves what still runs to the other decode workers
+    # (roles/migration.py; with no other decode worker it drains)
     decode_move: str = "handover"
+    migrate_after_s: float = 2.0
 
     def __post_init__(self) -> None:
         if self.mode not in PLANNER_MODES:
@@ -170,7 +173,8 @@ class PlannerConfig(msgspec.Struct, kw_only=True):
                              f"got {self.decode_move!r}")
         # `not x > 0` (not `x <= 0`) so that NaN is refused too; infinity only where it means "never"
         for flag, value in (("--ttft-slo-ms", self.ttft_slo_s * 1000), ("--tpot-slo-ms", self.tpot_slo_s * 1000),
-                            ("--planner-window-s", self.window_s), ("--planner-burst-window-s", self.burst_window_s)):
+                            ("--planner-window-s", self.window_s), ("--planner-burst-window-s", self.burst_window_s),
+                            ("--planner-migrate-after-s", self.migrate_after_s)):
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"{flag} must be a positive number, got {value:g}")
         if not (MIN_INTERVAL_S <= self.interval_s < math.inf):

@@ -50,6 +50,8 @@ class PendingSwitch:
     timings_ms: dict = field(default_factory=dict)
     handover: bool = False  # the old role's requests go on under the new role instead of being drained
     reversal: bool = False  # back to the role a handover replaced, which still holds its requests
+    migrating: bool = False  # drain_policy migrate, past the drain timeout: running requests move elsewhere
+    migrated_before: int = 0  # the migrator's count of requests it moved, when this switch began migrating
 
 
 class ModeController:
@@ -226,17 +228,56 @@ class ModeController:
             self._draining_for_reversal(p)
             return
         waited = time.monotonic() - p.drain_started
+        deadline = p.msg.timeout_s + (p.msg.migrate_timeout_s if p.msg.migrate else 0.0)
         if self._ready(p):
             self.pending = None
-            p.timings_ms["drain"] = round(waited * 1000, 3)
+            p.timings_ms.setdefault("drain", round(waited * 1000, 3))
+            if p.migrating:
+                p.timings_ms["migrate"] = round((waited - p.msg.timeout_s) * 1000, 3)
             self.s.drain()  # a handover waits for no pass; the one in flight is processed first
-            self.s.replies.append(self._switch(p))
-        elif any_rank(self.tp, waited > p.msg.timeout_s):  # clocks differ: all ranks time out together
+            self.s.replies.append(self._with_migrations(p, self._switch(p)))
+        elif any_rank(self.tp, waited > deadline):  # clocks differ: all ranks time out together
             self.pending = None
             self._to_idle()
             self.last_error = f"drain timed out after {p.msg.timeout_s}s"
-            self.s.replies.append(self._reply(p.msg, 504, f"{self.last_error}; rolled back, still serving as "
-                                                          f"{self.s.role.name}"))
+            if p.migrating:
+                self.last_error += f" and the migration after {p.msg.migrate_timeout_s}s ({self._unmigrated()})"
+            self.s.replies.append(self._with_migrations(p, self._reply(
+                p.msg, 504, f"{self.last_error}; rolled back, still serving as {self.s.role.name}")))
+        elif p.msg.migrate and any_rank(self.tp, waited > p.msg.timeout_s):
+            self._migrate(p)
+
+    def _migrate(self, p: PendingSwitch) -> None:
+        """Past the drain timeout with drain_policy migrate: every running request that can go moves to another
+        decode server (tidal/roles/migration.py); what cannot stays, and the drain goes on for it."""
+        s = self.s
+        if not p.migrating:
+            p.migrating = True
+            p.timings_ms["drain"] = round(p.msg.timeout_s * 1000, 3)
+            s.migrator.forget_refusals()
+            p.migrated_before = s.migrator.migrated
+            logger.info("drain timed out after %.1fs: migrating the running requests", p.msg.timeout_s)
+        s.drain()  # no pass in flight may hold a request that leaves
+        s.migrator.offer_running()
+
+    def _unmigrated(self) -> str:
+        """What kept the migration from ending, for messages."""
+        from tidal.roles.migration import why_not_migratable
+
+        s = self.s
+        stay = [f"{r.rid}: {why_not_migratable(r) or 'its migration failed'}" for r in s.running]
+        parts = [f"{len(s.migrator.moving)} still moving"] if s.migrator.moving else []
+        parts += [f"{len(stay)} stayed ({'; '.join(stay[:3])}{'; ...' if len(stay) > 3 else ''})"] if stay else []
+        others = {k: v for k, v in self.queue_sizes().items() if v and k not in ("running", "migrating")}
+        parts += [f"queued {others}"] if others else []
+        return ", ".join(parts) or "nothing left"
+
+    def _with_migrations(self, p: PendingSwitch, reply: SwitchModeResp) -> SwitchModeResp:
+        if p.migrating:
+            n = self.s.migrator.migrated - p.migrated_before
+            reply.message += f"; {n} request{'s' if n != 1 else ''} migrated to other servers"
+            reply.migrated = n
+        return reply
 
     def _draining_for_reversal(self, p: PendingSwitch) -> None:
         """Switch back once the new role's own requests are gone; past the timeout the handover goes on."""
@@ -479,7 +520,8 @@ class ModeController:
 
     def queue_sizes(self) -> dict:
         s = self.s
-        return {"waiting": len(s.waiting_queue), "running": len(s.live_reqs()), **s.role.queue_sizes()}
+        return {"waiting": len(s.waiting_queue), "running": len(s.live_reqs()), **s.role.queue_sizes(),
+                **s.migrator.queue_sizes()}
 
     def _reply(self, msg: Any, code: int, message: str, timings: Optional[dict] = None) -> SwitchModeResp:
         return SwitchModeResp(call_id=msg.call_id, status_code=code, status="ok" if code == 200 else "error",

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from tidal.config import ServerArgs
-    from tidal.messages import ToApi
+    from tidal.messages import ReqOutput, ToApi
     from tidal.scheduler.batching import BatchPlanner
     from tidal.scheduler.lora import LoRAScheduling
     from tidal.scheduler.memory import KVMemory
@@ -92,6 +92,8 @@ class ControllerLoop(RoleLoop, Protocol):
 
     role: Any  # the active role; only the controller replaces it, between iterations
     replies: list[ToApi]  # answers to control messages; the controller appends a switch's late answer
+    outbox: list[ReqOutput]  # outputs for the API process; the migrator appends a moving request's tickets
+    migrator: Any  # tidal.roles.migration.Migrator: running requests that move to another server
     inflight: Optional[Any]  # not None while a pass is in flight (overlap); read only
 
     def drain(self) -> bool:

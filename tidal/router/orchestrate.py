@@ -139,11 +139,23 @@ class RoleMover:
         finally:
             w.switching = False
 
+    def _payload(self, w: Worker, mode: str) -> dict:
+        """The worker's switch: handover (a decode, or null to prefill, worker serves its new pool at once and
+        finishes its requests there), drain (it waits for them), or migrate (it waits migrate_after_s, then moves
+        what still runs to the other decode workers: tidal/roles/migration.py; without any, it waits)."""
+        planner = self.st.cfg.planner
+        timeout_s, move = self.st.cfg.switch_timeout_s, planner.decode_move
+        payload = {"mode": mode, "drain": True, "timeout_s": timeout_s, "handover": move == "handover"}
+        others = [d.url for d in self.st.registry.pool(DECODE) if d is not w and not d.switching]
+        if move == "migrate" and others and w.mode in (DECODE, NULL):
+            drain_s = min(planner.migrate_after_s, timeout_s / 2)
+            payload.update(drain_policy="migrate", timeout_s=drain_s, migrate_to=others,
+                           migrate_timeout_s=timeout_s - drain_s)
+        return payload
+
     async def _switch(self, w: Worker, mode: str) -> tuple[int, Any]:
         timeout_s = self.st.cfg.switch_timeout_s
-        # handover: a decode (or null, to prefill) worker serves its new pool at once and finishes its requests there
-        handover = self.st.cfg.planner.decode_move == "handover"
-        payload = {"mode": mode, "drain": True, "timeout_s": timeout_s, "handover": handover}
+        payload = self._payload(w, mode)
         try:
             async with self.st.session.post(w.url + "/admin/switch_disaggregation_mode", json=payload,
                                             headers=self.st.worker_admin_headers(),

@@ -15,6 +15,7 @@ from tidal.constrained.masks import GrammarBatch
 from tidal.kvevents.publisher import KVEvents
 from tidal.messages import (
     AbortReq,
+    CancelMigrationReq,
     FinishReason,
     FlushCacheReq,
     FlushCacheResp,
@@ -104,10 +105,12 @@ class Scheduler:
         self.replies: list[ToApi] = []
         from tidal.roles import create_role
         from tidal.roles.controller import ModeController
+        from tidal.roles.migration import Migrator
 
         self.embedder = Embedder(self, resolve_pooling(args)) if args.is_embedding else None
         self.bootstrap_port_hold = self._hold_bootstrap_port()
         self.role = create_role(args.disaggregation_mode, self)
+        self.migrator = Migrator(self)
         self.controller = ModeController(self)
 
     def _hold_bootstrap_port(self):
@@ -133,6 +136,8 @@ class Scheduler:
             self.add_request(msg)
         elif isinstance(msg, AbortReq):
             self.abort(msg.rid, msg.abort_all)
+        elif isinstance(msg, CancelMigrationReq):
+            self.migrator.cancel(msg.rid, msg.reason)
         elif isinstance(msg, FlushCacheReq):
             ok = self.flush_cache()
             text = "Cache flushed." if ok else "Cache not flushed: requests are running or waiting."
@@ -276,6 +281,7 @@ class Scheduler:
             return self._step_overlapped()
         t0 = now()
         self.controller.on_iteration()
+        self.migrator.poll()
         self.admit_compiled()
         self.role.advance_queues()
         batch = self.role.next_batch()
@@ -373,6 +379,7 @@ class Scheduler:
         """Launch decode pass N+1 behind pass N, then process N's result while N+1 runs."""
         t0 = now()
         self.controller.on_iteration()
+        self.migrator.poll()
         self.admit_compiled()
         self.role.advance_queues()
         if self.inflight is not None and not self._can_schedule_behind():
@@ -463,11 +470,11 @@ class Scheduler:
             live.append(self.planner.chunked_req)
         if self.inflight is not None:  # ended, but a pass in flight still writes their KV
             live += [r for r in self.inflight.batch.reqs if r.finished and r.req_pool_idx is not None]
-        return live + self.role.extra_live_reqs()
+        return live + self.role.extra_live_reqs() + self.migrator.moving
 
     def is_idle(self) -> bool:
         return (self.inflight is None and not self.waiting_queue and not self.live_reqs()
-                and not self.grammars.waiting and self.role.is_idle())
+                and not self.grammars.waiting and self.role.is_idle() and self.migrator.is_idle())
 
     @property
     def tree_cache(self):
@@ -490,6 +497,7 @@ class Scheduler:
             self.kv_events.close()
         self.grammars.shutdown()
         self.controller.shutdown()
+        self.migrator.shutdown()
         self.role.shutdown()
         if self.bootstrap_port_hold is not None:
             self.bootstrap_port_hold.close()
@@ -550,7 +558,7 @@ class Scheduler:
             handing_over_from=self.controller.handing_over_from,
             queue_sizes={"waiting": len(self.waiting_queue), "running": len(self.running),
                          "grammar": len(self.grammars.waiting),
-                         **self.role.queue_sizes()},
+                         **self.role.queue_sizes(), **self.migrator.queue_sizes()},
             queued_prefill_tokens=self.queued_prefill_tokens(),
             **(self.speculator.stats() if self.speculator is not None else {}),
             **self._transfer_stats(),

@@ -24,6 +24,7 @@ from tidal.constrained.grammar import GrammarError, JsonStyle, check_grammar
 from tidal.messages import (
     AbortReq,
     BatchOut,
+    CancelMigrationReq,
     FinishReason,
     FlushCacheReq,
     FlushCacheResp,
@@ -48,6 +49,7 @@ from tidal.messages import (
 from tidal.sampling_params import SamplingParams
 from tidal.server.detokenizer import IncrementalDetokenizer, decode_tokens
 from tidal.server.limits import check_stop, check_top_logprobs, max_chars_per_token
+from tidal.server.migration import MigrationRelay
 from tidal.server.protocol import ApiError
 
 logger = logging.getLogger(__name__)
@@ -226,6 +228,7 @@ class TokenizerManager:
         self._call_ids = itertools.count(1)
         self._push: Optional[zmq.Socket] = None
         self._recv_task: Optional[asyncio.Task] = None
+        self.migrations = MigrationRelay(self, getattr(args, "api_key", None))  # requests moving to other servers (drain_policy migrate)
 
     # ------------------------------------------------------------ lifecycle
 
@@ -236,6 +239,7 @@ class TokenizerManager:
         self._recv_task = asyncio.get_running_loop().create_task(self._recv_loop(pull))
 
     async def stop(self) -> None:
+        await self.migrations.close()
         if self._recv_task is not None:
             self._recv_task.cancel()
             await asyncio.gather(self._recv_task, return_exceptions=True)
@@ -258,6 +262,7 @@ class TokenizerManager:
         err = ApiError(f"The scheduler process is gone ({reason}); the server is shutting down.", 503)
         for state in list(self._states.values()):
             state.finish(FinishReason(type="abort", message=err.message, status_code=503), err)
+            self.migrations.cancel(state.rid)
         self._states.clear()
         for fut in self._rpcs.values():
             if not fut.done():
@@ -315,8 +320,10 @@ class TokenizerManager:
 
     def _on_output(self, out: ReqOutput, now: float) -> None:
         state = self._states.get(out.rid)
-        if state is None:
-            return  # aborted by the client, or unknown
+        if state is None:  # aborted by the client, or unknown
+            if out.migration is not None and out.migration.state == "offer":
+                self.send_control(CancelMigrationReq(rid=out.rid, reason="the client is gone"))
+            return
         n = len(out.new_token_ids)
         if n and self.metrics is not None and not state.internal:
             if state.first_token_at is None:  # tokens that come with the first one carry no ITL
@@ -327,10 +334,24 @@ class TokenizerManager:
             state.first_token_at = state.first_token_at or now
             state.last_token_at = now
         state.apply(out, self.tokenizer)
+        if out.migration is not None and not state.finished:
+            self.migrations.on_ticket(state, out.migration)
         if state.finished:
             self._states.pop(out.rid, None)
+            self.migrations.cancel(out.rid)
             self._on_finished(state)
         state.event.set()
+
+    def apply_relayed(self, out: ReqOutput) -> None:
+        """Output of a migrated request, relayed from the server it moved to."""
+        self._on_output(out, time.monotonic())
+
+    def send_control(self, msg: Any) -> None:
+        """A message to the scheduler that no caller waits on (lost if the scheduler is gone)."""
+        try:
+            self._send(msg)
+        except ApiError:
+            pass
 
     def _on_finished(self, state: ReqState) -> None:
         if self.metrics is None or state.internal:
@@ -537,6 +558,7 @@ class TokenizerManager:
         """The client is gone: forget the unfinished states and tell the scheduler."""
         for s in states:
             if not s.finished and self._states.pop(s.rid, None) is not None:
+                self.migrations.cancel(s.rid)
                 s.finish(FinishReason(type="abort", message="client disconnected"))
                 self._on_finished(s)
                 if self.dead_reason is None:
@@ -556,6 +578,7 @@ class TokenizerManager:
             if s.rid != rid and not abort_all:
                 self._send(AbortReq(rid=s.rid))
             self._states.pop(s.rid, None)
+            self.migrations.cancel(s.rid)
             s.finish(FinishReason(type="abort", message="Aborted by /abort_request"))
             self._on_finished(s)
         return len(matched)
@@ -575,9 +598,15 @@ class TokenizerManager:
             self._rpcs.pop(call_id, None)
 
     async def switch_mode(self, mode: str, drain: bool, timeout_s: float, flush_cache: bool,
-                          handover: bool = False) -> SwitchModeResp:
-        resp = await self._call(SwitchModeReq, timeout_s + RPC_TIMEOUT_S, mode=mode, drain=drain,
-                                timeout_s=timeout_s, flush_cache=flush_cache, handover=handover)
+                          handover: bool = False, migrate_to: Sequence[str] = (),
+                          migrate_timeout_s: float = 30.0) -> SwitchModeResp:
+        """`migrate_to` (decode servers' URLs): drain_policy migrate, running requests move there past timeout_s."""
+        if migrate_to:
+            self.migrations.set_targets(list(migrate_to))
+        wait = timeout_s + (migrate_timeout_s if migrate_to else 0.0) + RPC_TIMEOUT_S
+        resp = await self._call(SwitchModeReq, wait, mode=mode, drain=drain, timeout_s=timeout_s,
+                                flush_cache=flush_cache, handover=handover, migrate=bool(migrate_to),
+                                migrate_timeout_s=migrate_timeout_s)
         self.mode, self.epoch = resp.current_mode, resp.epoch
         return resp
 
