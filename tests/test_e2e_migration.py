@@ -170,6 +170,32 @@ def test_the_router_moves_a_worker_by_migrating_what_it_runs(servers, reference)
     assert_idle_and_intact(target.url)
 
 
+def test_a_server_short_of_kv_moves_what_it_retracts(servers):
+    """--retraction-migrate-to: a server whose KV runs out moves its retraction victims to the decode server;
+    every answer equals the one a roomy server gives."""
+    source, target = servers
+    small = Server("--torch-threads", "1", "--max-total-tokens", "256", "--max-running-requests", "4", "--schedule-conservativeness", "0.05",
+                   "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check",
+                   "--retraction-migrate-to", target.url)
+    try:
+        texts = [f"Count from {k} to {k + 40}:" for k in range(4)]
+
+        def run(url: str) -> list[httpx.Response]:
+            with cf.ThreadPoolExecutor(4) as pool:
+                return list(pool.map(lambda t: httpx.post(url + "/generate", json=body(t, 90), timeout=300), texts))
+
+        want = [r.json()["output_ids"] for r in run(source.url)]
+        got = run(small.url)
+        assert [g.status_code for g in got] == [200] * 4, [g.text for g in got]
+        assert [g.json()["output_ids"] for g in got] == want
+        state = httpx.get(small.url + "/server_info", timeout=30).json()["internal_states"][0]
+        assert state["num_migrated_total"] > 0, {k: v for k, v in state.items() if "retract" in k or "migrat" in k}
+        assert_idle_and_intact(small.url)
+    finally:
+        small.stop()
+    assert_idle_and_intact(target.url)
+
+
 @pytest.mark.parametrize("fields, why", [
     ({"drain_policy": "migrate"}, "needs migrate_to"),
     ({"drain_policy": "later"}, "invalid drain_policy"),

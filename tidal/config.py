@@ -162,6 +162,9 @@ class ServerArgs:
     disaggregation_transfer_backend: str = "tcp"
     disaggregation_bootstrap_port: int = 8998
     migration_bootstrap_port: int = 0  # drain by migration: the bootstrap server running requests leave through
+    # decode servers' base URLs: a request retracted for lack of KV moves there with its KV instead of waiting
+    # to be prefilled again here (tidal/roles/migration.py)
+    retraction_migrate_to: tuple[str, ...] = ()
     num_reserved_decode_tokens: int = 512
     disaggregation_decode_polling_interval: int = 1
     enable_dynamic_disaggregation: bool = False
@@ -242,6 +245,9 @@ class ServerArgs:
             raise ValueError(f"--disaggregation-mode must be one of {DISAGG_MODES}")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}")
+        bad = [u for u in self.retraction_migrate_to if not u.startswith(("http://", "https://"))]
+        if bad:
+            raise ValueError(f"--retraction-migrate-to takes http(s) base URLs of decode servers, got {bad[:3]}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
         for name in ("max_request_body_bytes", "max_n", "max_batch_size_per_request", "max_stop_string_chars"):
@@ -371,6 +377,7 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--disaggregation-transfer-backend", choices=TRANSFER_BACKENDS, default=d.disaggregation_transfer_backend, help="how KV moves from prefill to decode servers")
     a("--disaggregation-bootstrap-port", type=int, default=d.disaggregation_bootstrap_port, help="prefill role: port of the bootstrap server decode servers ask")
     a("--migration-bootstrap-port", type=int, default=d.migration_bootstrap_port, help="drain by migration: port of the bootstrap server the requests that leave this server are pulled through (0: any free port)")
+    a("--retraction-migrate-to", nargs="+", default=None, metavar="URL", help="decode servers (base URLs) that a request retracted for lack of KV moves to, KV and all, instead of waiting here to be prefilled again; requests that cannot migrate are retracted as before")
     a("--num-reserved-decode-tokens", type=int, default=d.num_reserved_decode_tokens, help="decode role: KV tokens reserved per request beyond its prompt")
     a("--disaggregation-decode-polling-interval", type=int, default=d.disaggregation_decode_polling_interval, help="decode role: poll transfers every N scheduler steps")
     a("--enable-dynamic-disaggregation", action="store_true",
@@ -473,7 +480,7 @@ def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
         kw["model_path"] = default_model_path()
     if kw.get("is_embedding"):
         kw["disable_radix_cache"] = True  # an embedding request's KV is freed when it is pooled
-    for name in ("lora_paths", "lora_target_modules"):
+    for name in ("lora_paths", "lora_target_modules", "retraction_migrate_to"):
         if name in kw:
             kw[name] = tuple(kw[name])
     if kw.get("lora_paths"):

@@ -126,6 +126,7 @@ class MigrationTicket(msgspec.Struct, omit_defaults=True):
     """
 
     state: str  # offer | done | failed
+    cause: str = "switch"  # switch (drain_policy migrate) | retract (--retraction-migrate-to)
     bootstrap_host: str = ""
     bootstrap_port: int = 0
     bootstrap_room: int = 0
@@ -213,6 +214,7 @@ class StatsResp(_Msg):
     failed_transfers: int = 0
     transfer_latency_histogram: dict[str, int] = {}
     transfer_latency_sum: float = 0.0
+    num_migrated_total: int = 0  # requests that moved to another server with their KV (tidal/roles/migration.py)
     queued_prefill_tokens: int = 0  # prompt tokens waiting for prefill (waiting queue, chunk left, role queues)
     # requests in the running batch: num_running_reqs also counts those that only hold KV (a decode
     # server's PD requests still waiting for their prefill's KV)

@@ -71,18 +71,22 @@ class Migrator:
 
     # ------------------------------------------------------------------ starting
 
+    def can_take(self, req: Req) -> bool:
+        return not req.finished and req.rid not in self.refused and why_not_migratable(req) is None
+
     def offer_running(self) -> int:
         """Offer every running request that can migrate (the loop holds no pass in flight); how many."""
         s = self.s
-        reqs = [r for r in s.running if not r.finished and r.rid not in self.refused
-                and why_not_migratable(r) is None]
-        if not reqs:
-            return 0
-        self._ensure_transfer()
+        reqs = [r for r in s.running if self.can_take(r)]
         for req in reqs:
-            self._offer(req)
+            self.offer(req, "switch")
         s.running = [r for r in s.running if r not in reqs]
         return len(reqs)
+
+    @property
+    def retracts_by_migration(self) -> bool:
+        """--retraction-migrate-to: a retracted request moves to another server when it can."""
+        return bool(self.s.args.retraction_migrate_to)
 
     def _ensure_transfer(self) -> None:
         """Rank 0 starts the migration bootstrap server (the port from --migration-bootstrap-port, 0: any free
@@ -102,15 +106,17 @@ class Migrator:
         self.transfer.register(self.port)
         logger.info("migration bootstrap server on port %d", self.port)
 
-    def _offer(self, req: Req) -> None:
+    def offer(self, req: Req, cause: str) -> None:
+        """Offer the request's KV to another server; the caller takes it out of the running batch."""
         from tidal.transfer import create_kv_sender
 
+        self._ensure_transfer()
         self.attempts += 1
         room = migration_room(req.rid, self.attempts)
         host = advertised_host(self.s.args.host)
         req.pd = PDState(peer=create_kv_sender(self.transfer.manager, f"{host}:{self.port}", room), room=room)
         out = req.take_output(final=False)  # every token not sent yet, then the offer
-        out.migration = MigrationTicket(state="offer", bootstrap_host=host, bootstrap_port=self.port,
+        out.migration = MigrationTicket(state="offer", cause=cause, bootstrap_host=host, bootstrap_port=self.port,
                                         bootstrap_room=room, kv_tokens=req.kv_len)
         self.s.outbox.append(out)
         self.moving.append(req)
@@ -205,6 +211,10 @@ class Migrator:
 
     def is_idle(self) -> bool:
         return not self.moving
+
+    def moving_tokens(self) -> int:
+        """The KV tokens that go back to this server's pool once the moving requests arrived."""
+        return sum(r.kv_len for r in self.moving)
 
     def queue_sizes(self) -> dict:
         return {"migrating": len(self.moving)} if self.moving else {}

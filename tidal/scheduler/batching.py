@@ -188,7 +188,8 @@ class BatchPlanner:
         mem = s.mem
         if mem.decode_tokens_needed([r.kv_len for r in s.running]) > mem.available_tokens():
             self.retract_decode()
-            if not s.running:
+            # requests that migrate free their KV only once it arrived: until then the rest may not fit
+            if not s.running or mem.decode_tokens_needed([r.kv_len for r in s.running]) > mem.available_tokens():
                 return None
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
@@ -208,16 +209,23 @@ class BatchPlanner:
         order = sorted(s.running, key=lambda r: (-s.priority.rank(r) if s.priority.enabled else 0, len(r.output_ids),
                                                  -len(r.origin_input_ids)), reverse=True)
         retracted: list[Req] = []
+        migrator = s.migrator if s.migrator.retracts_by_migration else None
+        # KV tokens of requests that migrate: freed once they arrived elsewhere
+        moving = s.migrator.moving_tokens()
 
         def short() -> bool:
             need = mem.decode_tokens_needed([r.kv_len for r in order]) + RETRACT_DECODE_STEPS * len(order)
-            return need > mem.available_tokens()
+            return need > mem.available_tokens() + moving
 
         while order and short() and len(order) > 1:
             req = order.pop()
+            if migrator is not None and migrator.can_take(req):
+                migrator.offer(req, "retract")  # its KV goes with it, not back into a prefill here
+                moving += req.kv_len
+                continue
             self.retract(req)
             retracted.append(req)
-        if order and mem.decode_tokens_needed([r.kv_len for r in order]) > mem.available_tokens():
+        if order and mem.decode_tokens_needed([r.kv_len for r in order]) > mem.available_tokens() + moving:
             victim = order.pop()
             victim.finish(FinishReason(type="abort", message="KV cache is too small for this request.", status_code=507))
             mem.release(victim)
@@ -227,7 +235,8 @@ class BatchPlanner:
         total_decoded = sum(len(r.output_ids) for r in order)
         total_max = sum(r.sampling.max_new_tokens for r in order)
         self.new_token_ratio = min(1.0, (total_decoded + RETRACT_DECODE_STEPS * len(order)) / (total_max + 1))
-        logger.warning("KV cache is full: retracted %d requests, new_token_ratio=%.3f", len(retracted), self.new_token_ratio)
+        logger.warning("KV cache is full: retracted %d requests, migrating %d tokens of KV, new_token_ratio=%.3f",
+                       len(retracted), moving, self.new_token_ratio)
 
     def retract(self, req: Req) -> None:
         """Free everything a running request holds (its KV goes to the prefix cache) so it can be

@@ -547,6 +547,7 @@ class Scheduler:
             cache_hit_rate=s.cache_hit_rate(),
             gen_throughput=s.gen_throughput(time.monotonic()),
             num_retracted_total=s.num_retracted,
+            num_migrated_total=self.migrator.migrated,
             num_prefill_batches=s.num_prefill_batches,
             num_decode_batches=s.num_decode_batches,
             max_decode_batch_size=s.max_decode_batch_size,

@@ -36,6 +36,7 @@ _GAUGES = {
     "gen_throughput": "gen_throughput",
     "max_decode_batch_size": "max_decode_batch_size",
     "num_retracted_reqs": "num_retracted_total",
+    "num_migrated_reqs": "num_migrated_total",
     "spec_accept_length": "spec_accept_length",
     "spec_accept_rate": "spec_accept_rate",
 }

@@ -22,7 +22,8 @@ import itertools
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Optional
 
 import aiohttp
 import msgspec
@@ -66,10 +67,11 @@ def target_body(state: ReqState, ticket: MigrationTicket, rid: str) -> dict:
 
 
 class MigrationRelay:
-    def __init__(self, tm: TokenizerManager, api_key: Optional[str]) -> None:
+    def __init__(self, tm: TokenizerManager, api_key: Optional[str], retract_targets: Sequence[str] = ()) -> None:
         self.tm = tm
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self.targets: list[str] = []
+        self.targets: list[str] = []  # the last drain_policy migrate switch's migrate_to
+        self.retract_targets = [u.rstrip("/") for u in retract_targets]  # --retraction-migrate-to
         self._turn = itertools.count()
         self._ids = itertools.count(1)
         self.relays: dict[str, Relay] = {}
@@ -90,12 +92,13 @@ class MigrationRelay:
 
     def _offer(self, state: ReqState, ticket: MigrationTicket) -> None:
         want = len(state.req.input_ids) + len(state.output_ids) - 1
-        if not self.targets or not state.output_ids or ticket.kv_tokens != want:
-            why = "no server to migrate to" if not self.targets else \
+        targets = self.retract_targets if ticket.cause == "retract" else self.targets
+        if not targets or not state.output_ids or ticket.kv_tokens != want:
+            why = "no server to migrate to" if not targets else \
                 f"the request holds {want} tokens here, the offer {ticket.kv_tokens}"
             self.tm.send_control(CancelMigrationReq(rid=state.rid, reason=why))
             return
-        url = self.targets[next(self._turn) % len(self.targets)]
+        url = targets[next(self._turn) % len(targets)]
         relay = Relay(state.rid, url, sent_before=len(state.output_ids))
         body = target_body(state, ticket, f"{state.rid}-migrated-{next(self._ids)}")
         relay.task = asyncio.get_running_loop().create_task(self._stream(relay, state, body))

@@ -228,7 +228,8 @@ class TokenizerManager:
         self._call_ids = itertools.count(1)
         self._push: Optional[zmq.Socket] = None
         self._recv_task: Optional[asyncio.Task] = None
-        self.migrations = MigrationRelay(self, getattr(args, "api_key", None))  # requests moving to other servers (drain_policy migrate)
+        self.migrations = MigrationRelay(self, getattr(args, "api_key", None),
+                                         getattr(args, "retraction_migrate_to", ()))  # requests moving to other servers (drain_policy migrate)
 
     # ------------------------------------------------------------ lifecycle
 
