@@ -19,7 +19,8 @@ A move follows the live drain-switch path: the worker leaves every pool, finishe
 holds (drain), then switches (switch_seconds) and joins its new pool; a drain longer than
 the router's switch timeout fails the move and the worker returns to its pool. A decode
 worker moving to prefill or null, and a null worker moving to prefill, hand over what they hold
-as the live router asks them to (unless `decode_move` is "drain"): they switch at once and finish
+as the live router asks them to (unless `decode_move` is "drain", or "migrate", which the sim
+runs as a drain: it moves no KV): they switch at once and finish
 it in the new role; a move of a worker still doing so waits for it as a drain (the live worker
 holds a drained switch until its handover ends), except a move back to the role it handed over from,
 which waits only for what the new role took on itself (a prefill server's PD prompts).
