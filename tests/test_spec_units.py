@@ -102,7 +102,7 @@ def test_guesses_are_made_only_where_they_pay():
 
     from tidal.spec.speculator import EXPLORE_EVERY, Speculator
 
-    args = SimpleNamespace(speculative_num_draft_tokens=4, speculative_ngram_min_match_window_size=1,
+    args = SimpleNamespace(speculative_guesses=4, speculative_ngram_min_match_window_size=1,
                            speculative_ngram_max_match_window_size=12)
     spec = Speculator(args, 4096)
     spec.cost.fixed_over_per_token = lambda: 4.0

@@ -14,7 +14,7 @@ SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
-SPECULATIVE_ALGORITHMS = ("NGRAM",)  # SGLang's names (tidal/spec)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # SGLang's names (tidal/spec)
 DISAGG_MODES = ("null", "prefill", "decode")
 # (from, to): the switches that may hand over (roles/handover.py) instead of draining. A null server
 # switching to decode cannot: the decode role prefills none of the prompts it held.
@@ -208,7 +208,9 @@ class ServerArgs:
     lora_target_modules: tuple[str, ...] = ()
     # speculative decoding (tidal/spec): guesses verified in one target pass per step
     speculative_algorithm: Optional[str] = None
-    speculative_num_draft_tokens: int = 4  # guesses per request and step
+    speculative_num_draft_tokens: int = 4  # NGRAM: guesses per request and step; STANDALONE: guesses + 1 (SGLang's)
+    speculative_draft_model_path: Optional[str] = None  # STANDALONE: a smaller model of the same vocabulary
+    speculative_num_steps: Optional[int] = None  # STANDALONE: draft passes per step (None: num_draft_tokens - 1)
     speculative_ngram_min_match_window_size: int = 1
     speculative_ngram_max_match_window_size: int = 12
 
@@ -289,6 +291,33 @@ class ServerArgs:
                              "--speculative-ngram-max-match-window-size")
         if self.is_embedding:
             raise ValueError("--speculative-algorithm does not apply to an embedding model (--is-embedding)")
+        if algo.upper() == "STANDALONE":
+            self._validate_draft_model()
+        elif self.speculative_draft_model_path or self.speculative_num_steps is not None:
+            raise ValueError("--speculative-draft-model-path and --speculative-num-steps apply to "
+                             "--speculative-algorithm STANDALONE")
+
+    def _validate_draft_model(self) -> None:
+        if not self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm STANDALONE needs --speculative-draft-model-path (a smaller "
+                             "model of the same vocabulary; `python -m tidal.spec.truncated_draft` makes one from "
+                             "the target's first layers)")
+        if self.speculative_num_steps is not None and self.speculative_num_steps < 1:
+            raise ValueError("--speculative-num-steps must be >= 1")
+        if self.speculative_num_draft_tokens < 2:
+            raise ValueError("--speculative-num-draft-tokens counts the step's own token with STANDALONE (as "
+                             "SGLang's): it must be >= 2")
+        if self.tp_size > 1:
+            raise ValueError("--speculative-algorithm STANDALONE runs with --tp 1 only")
+
+    @property
+    def speculative_guesses(self) -> int:
+        """Guesses per request and step: NGRAM's num_draft_tokens; a draft model's passes, at most
+        num_draft_tokens - 1 (the verified tree counts the step's own token)."""
+        if (self.speculative_algorithm or "").upper() != "STANDALONE":
+            return self.speculative_num_draft_tokens
+        steps = self.speculative_num_steps or self.speculative_num_draft_tokens - 1
+        return min(steps, self.speculative_num_draft_tokens - 1)
 
     def _validate_lora(self) -> None:
         from tidal.model.lora_config import check_lora_args
@@ -414,10 +443,17 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
            "(* is --host), or a path to such a file (default: none, no events)")
     a("--speculative-algorithm", default=None, type=str.upper, choices=SPECULATIVE_ALGORITHMS,
       help="speculative decoding: NGRAM guesses the next tokens from earlier occurrences of the latest ones "
-           "in the prompt and output (prompt lookup); one target pass per step verifies every guess of the batch "
+           "in the prompt and output (prompt lookup), STANDALONE runs a draft model "
+           "(--speculative-draft-model-path) a few steps ahead; one target pass per step verifies every guess of the batch "
            "(greedy output unchanged, sampled output keeps its distribution); the overlap schedule is off with it")
     a("--speculative-num-draft-tokens", type=int, default=d.speculative_num_draft_tokens,
-      help="with --speculative-algorithm: guesses per request and step")
+      help="with --speculative-algorithm: NGRAM's guesses per request and step; STANDALONE's verified tokens per "
+           "request and step, its own token included (as SGLang's: at most --speculative-num-steps + 1)")
+    a("--speculative-draft-model-path", default=None,
+      help="STANDALONE: the draft model (a smaller model of the target's vocabulary; "
+           "`python -m tidal.spec.truncated_draft TARGET DRAFT --layers N` writes the target's first N layers)")
+    a("--speculative-num-steps", type=int, default=None,
+      help="STANDALONE: draft passes per step, one guess each (default: --speculative-num-draft-tokens - 1)")
     a("--speculative-ngram-min-match-window-size", type=int, default=d.speculative_ngram_min_match_window_size,
       help="NGRAM: the shortest suffix of the latest tokens that may propose")
     a("--speculative-ngram-max-match-window-size", type=int, default=d.speculative_ngram_max_match_window_size,

@@ -27,7 +27,7 @@ from tidal.scheduler.schedule_batch import (
     build_decode_batch,
     build_extend_batch,
 )
-from tidal.spec.verify import accepted, build_verify_batch
+from tidal.spec.verify import accepted
 
 if TYPE_CHECKING:
     from tidal.scheduler.scheduler import Scheduler
@@ -196,10 +196,8 @@ class BatchPlanner:
         reqs = s.decode_candidates()
         if not reqs:
             return None
-        drafts = s.speculator.drafts(reqs, mem) if s.speculator is not None else None
-        if drafts is not None:
-            return build_verify_batch(reqs, drafts, mem, s.runner.kv_pool)
-        return build_decode_batch(reqs, mem, s.runner.kv_pool)
+        batch = s.speculator.verify_batch(reqs, mem, s.runner.kv_pool) if s.speculator is not None else None
+        return batch if batch is not None else build_decode_batch(reqs, mem, s.runner.kv_pool)
 
     def retract_decode(self) -> None:
         """Free KV by sending the youngest requests (of the lowest priority first, with priority

@@ -97,6 +97,7 @@ class KVMemory:
         """Forget the KV of the request's last position (a pass computed it after the request
         ended); frees its page when that position was the page's first."""
         req.kv_len -= 1
+        req.draft_kv_len = min(req.draft_kv_len, req.kv_len)
         pos = req.kv_len
         if pos % self.page_size == 0:
             self.allocator.free(self.req_to_token[req.req_pool_idx, pos : pos + 1].clone())
@@ -110,6 +111,7 @@ class KVMemory:
         if first < req.kv_len:
             self.allocator.free(self.req_to_token[req.req_pool_idx, first : req.kv_len : ps].clone())
         req.kv_len = keep
+        req.draft_kv_len = min(req.draft_kv_len, keep)  # the draft model's KV shares the slots
 
     def cache_unfinished(self, req: Req) -> None:
         self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])

@@ -189,7 +189,12 @@ def build_scheduler(args: ServerArgs, comm=None, cpu_plan=None):
     runner = ModelRunner(args, comm, cpu_plan)
     _log_cpus(runner, cpu_plan)
     tokenizer = load_tokenizer(args.model_path, args.tokenizer_path)
-    return Scheduler(args, runner, tokenizer)
+    draft = None
+    if args.speculative_algorithm == "STANDALONE":  # its KV pool has a slot for each of the target's
+        draft = ModelRunner(args.replace(model_path=args.speculative_draft_model_path, tokenizer_path=None,
+                                         max_total_tokens=runner.max_total_tokens, enable_lora=False,
+                                         lora_paths=(), enable_torch_compile=False), comm, cpu_plan)
+    return Scheduler(args, runner, tokenizer, draft_runner=draft)
 
 
 def ready_message(sched, cpu_affinity: Optional[list[str]] = None) -> SchedulerReady:

@@ -64,6 +64,7 @@ class Req:
         self.spec_kept = 1.0
         self.spec_refused = 1.0
         self.spec_idle = 1 << 20  # steps since it last guessed (its first chance explores)
+        self.draft_kv_len = 0  # leading positions whose KV the draft model holds (tidal/spec/draft.py)
 
         self.output_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
@@ -110,6 +111,7 @@ class Req:
         self.last_node = None
         self.req_pool_idx = None
         self.kv_len = 0
+        self.draft_kv_len = 0
         self.extend_input_len = 0
         self.is_chunked = 0
         self.num_retractions += 1

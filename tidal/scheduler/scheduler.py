@@ -34,6 +34,7 @@ from tidal.messages import (
 from tidal.model.forward_batch import ForwardMode
 from tidal.model.sampler import Sampler, SamplingBatchInfo
 from tidal.model.pooling import resolve_pooling
+from tidal.spec.draft import DraftModel
 from tidal.spec.speculator import Speculator
 from tidal.spec.verify import row_outputs
 from tidal.scheduler.batching import BatchPlanner
@@ -58,7 +59,8 @@ class Scheduler:
     Roles see it only as `tidal.roles.loop.RoleLoop` (the controller as `ControllerLoop`): what they
     may use of it is listed there."""
 
-    def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None):
+    def __init__(self, args: ServerArgs, runner: Any, tokenizer: Any = None, draft_runner: Any = None):
+        """`draft_runner`: the draft model's runner, for --speculative-algorithm STANDALONE."""
         from tidal.parallel import SingleRank
 
         if args.is_embedding:  # embedding requests neither reuse nor keep cached prefixes
@@ -95,7 +97,7 @@ class Scheduler:
         self.stats = SchedulerStats()
         self.timing = StepTiming()
         self.last_batch_size = 0
-        self.speculator = Speculator(args, self.context_length) if args.speculative_algorithm else None
+        self.speculator = self._speculator(draft_runner) if args.speculative_algorithm else None
         # decode passes overlap the scheduler's work (not with TP: the ranks' collectives
         # would run from two threads; not with speculation: its guesses need the last token)
         self.overlap = not args.disable_overlap_schedule and self.tp.size == 1 and self.speculator is None
@@ -112,6 +114,16 @@ class Scheduler:
         self.role = create_role(args.disaggregation_mode, self)
         self.migrator = Migrator(self)
         self.controller = ModeController(self)
+
+    def _speculator(self, draft_runner: Any) -> Speculator:
+        draft = None
+        if self.args.speculative_algorithm == "STANDALONE":
+            if draft_runner is None:
+                raise ValueError("--speculative-algorithm STANDALONE needs the draft model's runner")
+            if draft_runner.max_total_tokens < self.runner.max_total_tokens:
+                raise ValueError("the draft model's KV pool must have a slot for every slot of the target's")
+            draft = DraftModel(draft_runner, self.runner.model_config)
+        return Speculator(self.args, self.context_length, draft)
 
     def _hold_bootstrap_port(self):
         """A switchable server's rank 0 holds its bootstrap port from the start, so that when it
@@ -307,6 +319,9 @@ class Scheduler:
         self.timing.add("forward", t1 - t0)
         if self.speculator is not None and batch.mode is ForwardMode.DECODE or batch.drafts is not None:
             self.speculator.cost.observe(batch.forward_batch.num_tokens, t1 - t0)
+        if self.speculator is not None and batch.mode is ForwardMode.EXTEND and batch.drafts is None \
+                and self.embedder is None:
+            self.speculator.after_extend(batch)  # the draft model's KV of the same prompt tokens
         if batch.drafts is not None:
             out = self._sample(batch, logits, self._verify_sampling_info(batch), every_row=True)
         else:

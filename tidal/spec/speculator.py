@@ -1,5 +1,6 @@
-"""What the scheduler asks of speculative decoding: guesses for a decode step (or none,
-and the step decodes as usual), and the accept-length statistics."""
+"""What the scheduler asks of speculative decoding: a verification pass for a decode step (or none,
+and the step decodes as usual), the draft model's share of prefill passes, and the accept-length
+statistics."""
 
 from __future__ import annotations
 
@@ -8,18 +9,23 @@ from typing import Any, Optional
 
 from tidal.scheduler.memory import KVMemory
 from tidal.scheduler.req import Req
+from tidal.scheduler.schedule_batch import ScheduleBatch
 from tidal.spec.cost import PassCost
+from tidal.spec.draft import DraftModel
 from tidal.spec.ngram import NgramProposer
+from tidal.spec.verify import build_verify_batch, reserve_verify_slots
 
 DECAY = 0.8  # weight of a request's earlier verifications against its latest
 EXPLORE_EVERY = 8  # a request that has not guessed for this many steps guesses once anyway (its record may be stale)
 
 
 class Speculator:
-    def __init__(self, args: Any, context_length: int):
-        self.proposer = NgramProposer(args.speculative_num_draft_tokens,
-                                      args.speculative_ngram_min_match_window_size,
+    def __init__(self, args: Any, context_length: int, draft: Optional[DraftModel] = None):
+        """`draft`: STANDALONE's draft model (guesses from its passes), else NGRAM's prompt lookup."""
+        self.guesses = args.speculative_guesses
+        self.proposer = NgramProposer(self.guesses, args.speculative_ngram_min_match_window_size,
                                       args.speculative_ngram_max_match_window_size)
+        self.draft = draft
         self.context_length = context_length
         self.cost = PassCost()
         self.verify_steps = 0  # requests x verification passes
@@ -27,16 +33,43 @@ class Speculator:
         self.accepted_tokens = 0  # guesses the target kept
         self.emitted_tokens = 0  # kept guesses plus the target's own token of each step
 
+    def verify_batch(self, reqs: list[Req], mem: KVMemory, kv_pool: Any) -> Optional[ScheduleBatch]:
+        """This step's verification pass, or None: decode as usual (nothing guessed, a constrained
+        request in the batch, or too little KV for the guesses)."""
+        if self.draft is None:
+            drafts = self.drafts(reqs, mem)
+            return None if drafts is None else build_verify_batch(reqs, drafts, mem, kv_pool)
+        if any(r.grammar is not None for r in reqs):
+            return None
+        counts = [len(p) for p in self._worth_it(reqs, [[0] * min(self.guesses, self._room(r)) for r in reqs])]
+        if not any(counts) or not self._fits(counts, mem):
+            return None
+        out_loc = reserve_verify_slots(reqs, [1 + n for n in counts], mem)
+        guessing = [i for i, n in enumerate(counts) if n]
+        drafts: list[list[int]] = [[] for _ in reqs]
+        proposed = self.draft.propose([reqs[i] for i in guessing], [counts[i] for i in guessing], mem.req_to_token)
+        for i, d in zip(guessing, proposed, strict=True):
+            drafts[i] = d
+        return build_verify_batch(reqs, drafts, mem, kv_pool, out_loc)
+
     def drafts(self, reqs: list[Req], mem: KVMemory) -> Optional[list[list[int]]]:
-        """Guesses per request for this step, or None: decode as usual (nothing guessed, a
+        """NGRAM's guesses per request for this step, or None: decode as usual (nothing guessed, a
         constrained request in the batch, or too little KV for the guesses)."""
         if any(r.grammar is not None for r in reqs):
             return None  # its matcher would have to follow every guess
         drafts = self._worth_it(reqs, [self.proposer.propose(r.all_ids, self._room(r)) for r in reqs])
         if not any(drafts):
             return None
-        need = sum(1 + len(d) for d in drafts) + len(reqs) * mem.page_size
-        return drafts if need <= mem.available_tokens() else None
+        return drafts if self._fits([len(d) for d in drafts], mem) else None
+
+    @staticmethod
+    def _fits(counts: list[int], mem: KVMemory) -> bool:
+        return sum(1 + n for n in counts) + len(counts) * mem.page_size <= mem.available_tokens()
+
+    def after_extend(self, batch: ScheduleBatch) -> None:
+        """A prefill pass ran: the draft model computes its KV of the same tokens."""
+        if self.draft is not None:
+            self.draft.mirror(batch)
 
     def _worth_it(self, reqs: list[Req], proposals: list[list[int]]) -> list[list[int]]:
         """The proposals cut to the guesses that raise the pass's expected tokens per second.

@@ -3,7 +3,7 @@ target extend, one sampled row per position, and what of the guesses the target 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -13,21 +13,38 @@ from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import RowSpan, ScheduleBatch, extend_forward_batch
 
 
-def build_verify_batch(reqs: list[Req], drafts: list[list[int]], mem: KVMemory, kv_pool) -> ScheduleBatch:
+def reserve_verify_slots(reqs: list[Req], counts: list[int], mem: KVMemory) -> torch.Tensor:
+    """KV slots for `counts[i]` positions from request i's kv_len on, written to req_to_token (kv_len
+    unchanged); the caller has checked memory."""
+    table = mem.req_to_token
+    dev = table.device
+    kv_lens = [r.kv_len for r in reqs]
+    seq_lens = [n + c for n, c in zip(kv_lens, counts, strict=True)]
+    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
+    last_locs = table[idx, torch.tensor(kv_lens, dtype=torch.int64, device=dev) - 1].tolist()
+    out_loc = mem.alloc_extend(kv_lens, seq_lens, last_locs)
+    offset = 0
+    for r, kv, s in zip(reqs, kv_lens, seq_lens, strict=True):
+        table[r.req_pool_idx, kv:s] = out_loc[offset : offset + s - kv]
+        offset += s - kv
+    return out_loc
+
+
+def build_verify_batch(reqs: list[Req], drafts: list[list[int]], mem: KVMemory, kv_pool,
+                       out_loc: Optional[torch.Tensor] = None) -> ScheduleBatch:
     """An extend of [last output token, *guesses] per request on top of its resident KV,
-    logits at every position; the caller has checked memory for every token."""
+    logits at every position; the caller has checked memory for every token (or reserved the
+    slots: `out_loc`, from reserve_verify_slots)."""
+    if out_loc is None:
+        out_loc = reserve_verify_slots(reqs, [1 + len(d) for d in drafts], mem)
     table = mem.req_to_token
     dev = table.device
     kv_lens = [r.kv_len for r in reqs]
     seq_lens = [n + 1 + len(d) for n, d in zip(kv_lens, drafts, strict=True)]
-    idx = torch.tensor([r.req_pool_idx for r in reqs], dtype=torch.int64, device=dev)
-    last_locs = table[idx, torch.tensor(kv_lens, dtype=torch.int64, device=dev) - 1].tolist()
-    out_loc = mem.alloc_extend(kv_lens, seq_lens, last_locs)
     input_ids: list[int] = []
     positions, spans, offset = [], [], 0
     for r, kv, s, d in zip(reqs, kv_lens, seq_lens, drafts, strict=True):
         n = s - kv
-        table[r.req_pool_idx, kv:s] = out_loc[offset : offset + n]
         r.kv_len = s
         input_ids += [r.output_ids[-1], *d]
         positions.append(torch.arange(kv, s, dtype=torch.int64, device=dev))
