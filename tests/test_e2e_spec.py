@@ -126,7 +126,68 @@ def test_bad_speculative_flags_fail_at_start():
     import sys
 
     for bad in (["--speculative-algorithm", "EAGLE9"], ["--speculative-algorithm", "NGRAM",
-                                                        "--speculative-num-draft-tokens", "0"]):
+                                                        "--speculative-num-draft-tokens", "0"],
+                ["--speculative-algorithm", "STANDALONE"]):
         r = subprocess.run([sys.executable, "-m", "tidal.launch_server", *bad], capture_output=True, text=True,
                            timeout=120)
         assert r.returncode != 0 and "speculative" in (r.stderr + r.stdout)
+
+
+# ---------------------------------------------------------------- a draft model (STANDALONE)
+
+
+@pytest.fixture(scope="module")
+def drafted(tmp_path_factory):
+    """Two servers speculating with a draft model, the default model's first 4 layers made here
+    (tidal.spec.truncated_draft: no package ships a smaller model of its tokenizer): a switchable
+    null server and a switchable decode server."""
+    from tidal.config import default_model_path
+    from tidal.spec.truncated_draft import truncate_gguf
+
+    draft = truncate_gguf(default_model_path(), str(tmp_path_factory.mktemp("draft") / "draft4.gguf"), 4)
+    flags = ("--torch-threads", "1", "--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path",
+             draft, "--speculative-num-steps", "3", "--enable-dynamic-disaggregation",
+             "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check")
+    bport = free_port()
+    a = Server(*flags, "--disaggregation-bootstrap-port", str(bport))
+    b = Server(*flags, "--disaggregation-mode", "decode")
+    a.bport = bport
+    yield a, b
+    for s in (b, a):
+        s.stop()
+
+
+def test_a_draft_model_speculates_in_null_and_through_pd_and_equals_null(drafted, reference):
+    a, b = drafted
+    with cf.ThreadPoolExecutor(3) as pool:
+        outs = list(pool.map(lambda p: gen(a.url, p)["output_ids"], PROMPTS))
+    assert outs == [reference[p] for p in PROMPTS]
+    assert spec_stats(a.url)["spec_draft_tokens"] > 0
+    switch(a.url, "prefill")  # switched: its draft's KV of each prompt goes to b with the target's
+    try:
+        for p in PROMPTS:
+            assert pd_gen(a, b, p) == reference[p]
+    finally:
+        switch(a.url, "null")
+    assert spec_stats(b.url)["spec_draft_tokens"] > 0
+    for s in (a, b):
+        assert_idle_and_intact(s.url)
+
+
+def test_a_decode_server_with_a_draft_refuses_a_prefill_without_one(servers, drafted):
+    ref, _, _ = servers
+    _, b = drafted
+    switch(ref.url, "prefill")
+    try:
+        fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": ref.bport, "bootstrap_room": random.randrange(2**63)}
+        with cf.ThreadPoolExecutor(2) as pool:
+            fp = pool.submit(httpx.post, ref.url + "/generate", json={"text": PROMPTS[2], "sampling_params": {
+                "max_new_tokens": 4}, **fields}, timeout=120)
+            fd = pool.submit(httpx.post, b.url + "/generate", json={"text": PROMPTS[2], "sampling_params": {
+                "max_new_tokens": 4}, **fields}, timeout=120)
+            rd = fd.result()
+            fp.result()
+        assert rd.status_code >= 400 and "draft_layers" in rd.text, rd.text
+    finally:
+        switch(ref.url, "null")
+    assert_idle_and_intact(b.url)

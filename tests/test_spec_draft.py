@@ -45,6 +45,7 @@ def spec_sched(page_size: int = 1, total: int = 4096, draft=None, **kw) -> Sched
     draft = draft or FakeModelRunner(max_total_tokens=total, page_size=page_size)
     sched = Scheduler(args, runner, tokenizer=None, draft_runner=draft)
     sched.speculator.cost.fixed_over_per_token = lambda: 1000.0  # the fake's pass times mean nothing: guess freely
+    sched.speculator._draft_round_cost = lambda: 0.0
     return sched
 
 
@@ -86,28 +87,67 @@ def test_retraction_and_a_shared_prefix_keep_the_draft_in_step():
     assert sched.speculator.stats()["spec_accept_rate"] > 0.9  # a cached prefix may miss one draft position
 
 
-def test_a_pd_decode_server_catches_its_draft_up_on_the_transferred_prompt():
+def pd_pair(prefill_spec: bool):
     port = free_port()
     common = dict(model_path="fake", disaggregation_transfer_backend="tcp", disaggregation_bootstrap_port=port,
                   chunked_prefill_size=16)
-    prefill = Scheduler(ServerArgs(disaggregation_mode="prefill", **common), FakeModelRunner(), tokenizer=None)
+    prefill = Scheduler(ServerArgs(disaggregation_mode="prefill", **common, **(SPEC if prefill_spec else {})),
+                        FakeModelRunner(), tokenizer=None, draft_runner=FakeModelRunner() if prefill_spec else None)
     decode = Scheduler(ServerArgs(disaggregation_mode="decode", **common, **SPEC), FakeModelRunner(),
                        tokenizer=None, draft_runner=FakeModelRunner())
     decode.speculator.cost.fixed_over_per_token = lambda: 1000.0
+    decode.speculator._draft_round_cost = lambda: 0.0
+    return prefill, decode, port
+
+
+def send_pd(prefill, decode, port, ps, n):
+    rng = random.Random(5)
+    for i, p in enumerate(ps):
+        f = dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=rng.randrange(2**63))
+        for s in (prefill, decode):
+            s.handle(GenerateReq(rid=f"pd{i}", input_ids=p, sampling=greedy(n), **f))
+    return run_pair(prefill, decode)[1]
+
+
+def test_pd_the_prefill_servers_draft_kv_travels_with_the_targets():
+    prefill, decode, port = pd_pair(prefill_spec=True)
     try:
-        rng = random.Random(5)
-        ps = prompts(4, seed=5)
-        for i, p in enumerate(ps):
-            f = dict(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=rng.randrange(2**63))
-            for s in (prefill, decode):
-                s.handle(GenerateReq(rid=f"pd{i}", input_ids=p, sampling=greedy(20), **f))
-        _, out = run_pair(prefill, decode)
+        ps = prompts(4, lo=20, hi=40, seed=5)
+        out = send_pd(prefill, decode, port, ps, 20)
         for i, p in enumerate(ps):
             assert out[f"pd{i}"][0] == reference_generate(p, 20), i
-        assert decode.speculator.stats()["spec_accept_rate"] == 1.0
+        assert decode.speculator.stats()["spec_accept_rate"] == 1.0  # the draft read the prompt's KV it was sent
+        # nothing caught up on decode: every draft pass there ran one or two tokens per request
+        assert max(tokens for tokens, _ in decode.speculator.draft.cost._passes) <= 2 * len(ps)
+        assert prefill.speculator.draft.passes > 0  # the prefill server ran the draft's prefill
     finally:
         prefill.shutdown()
         decode.shutdown()
+
+
+def test_pd_a_prefill_server_without_the_draft_is_refused_with_the_reason():
+    prefill, decode, port = pd_pair(prefill_spec=False)
+    try:
+        out = send_pd(prefill, decode, port, prompts(1, seed=2), 8)
+        tokens, fin = out["pd0"]
+        assert fin is not None and fin.type == "abort" and "draft_layers" in fin.message, fin
+        assert "--speculative-draft-model-path" in fin.message
+    finally:
+        prefill.shutdown()
+        decode.shutdown()
+
+
+def test_a_request_whose_draft_saw_nothing_catches_up_in_its_first_guess():
+    sched = spec_sched(4, chunked_prefill_size=16)
+    sched.speculator.after_extend = lambda batch: None  # as a decode server whose prefill ran no draft
+    ps = prompts(3, lo=30, hi=50, seed=8)
+    for i, p in enumerate(ps):
+        sched.handle(GenerateReq(rid=f"r{i}", input_ids=p, sampling=greedy(25)))
+    res = run_to_end(sched)
+    for i, p in enumerate(ps):
+        assert res[f"r{i}"][0] == reference_generate(p, 25), f"r{i}"
+    assert sched.speculator.stats()["spec_accept_rate"] == 1.0
+    assert max(tokens for tokens, _ in sched.speculator.draft.cost._passes) >= 30  # a whole prompt in one pass
 
 
 def test_a_draft_of_another_vocabulary_is_refused():

@@ -1,12 +1,14 @@
 """Speculative decoding's speedup: a server without it and one with `--speculative-algorithm
-NGRAM`, both up at once on the default model, sent the same greedy requests in alternating
-rounds (one server busy at a time), at each concurrency, on two workloads:
+NGRAM` (or STANDALONE, its draft the default model's first `--draft-layers` layers, written by
+tidal.spec.truncated_draft), both up at once on the default model, sent the same greedy requests
+in alternating rounds (one server busy at a time), at each concurrency, on two workloads:
 
 - copy: prompts whose continuation repeats text they contain (a passage asked for again,
   a function written out again with one name changed): what prompt lookup is for;
 - open: open-ended prompts, where guesses seldom hold.
 
     python -m tidal.bench.spec [--concurrency 1,8] [--rounds 3] [--max-new-tokens 96]
+    python -m tidal.bench.spec --algorithm STANDALONE --draft-layers 8
 
 Prints one JSON line per (workload, concurrency): output tok/s medians of each server, the
 speedup, and the accept length (tokens per request and verification pass) of the rounds.
@@ -80,11 +82,19 @@ def main() -> None:
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--torch-threads", type=int, default=2)
     p.add_argument("--port", type=int, default=31870)
+    p.add_argument("--algorithm", default="NGRAM", choices=["NGRAM", "STANDALONE"])
+    p.add_argument("--draft-layers", type=int, default=8, help="STANDALONE: the draft's layers (the target's first)")
     a = p.parse_args()
-    spec = ["--speculative-algorithm", "NGRAM", "--speculative-num-draft-tokens", str(a.num_draft_tokens)]
+    spec = ["--speculative-algorithm", a.algorithm, "--speculative-num-draft-tokens", str(a.num_draft_tokens)]
+    if a.algorithm == "STANDALONE":
+        from tidal.config import default_model_path
+        from tidal.spec.truncated_draft import truncate_gguf
+
+        draft = truncate_gguf(default_model_path(), f"/tmp/tidal-bench-draft-{a.draft_layers}.gguf", a.draft_layers)
+        spec += ["--speculative-draft-model-path", draft]
     plain_url, spec_url = f"http://127.0.0.1:{a.port}", f"http://127.0.0.1:{a.port + 1}"
     with serving(_server(a.port, [], a.torch_threads), plain_url, "/tmp/tidal-bench-spec-plain.log"), \
-            serving(_server(a.port + 1, spec, a.torch_threads), spec_url, "/tmp/tidal-bench-spec-ngram.log"):
+            serving(_server(a.port + 1, spec, a.torch_threads), spec_url, f"/tmp/tidal-bench-spec-{a.algorithm.lower()}.log"):
         for url in (plain_url, spec_url):  # warm-up
             _round(url, WORKLOADS["open"], 2, 8)
         for workload, prompts in WORKLOADS.items():
@@ -98,7 +108,7 @@ def main() -> None:
                 base, sped = statistics.median(plain), statistics.median(fast)
                 print(json.dumps({
                     "workload": workload, "concurrency": c, "plain_tok_s": round(base, 1),
-                    "ngram_tok_s": round(sped, 1), "speedup": round(sped / base, 2),
+                    "algorithm": a.algorithm, "spec_tok_s": round(sped, 1), "speedup": round(sped / base, 2),
                     "accept_length": round((gained1 - gained0) / max(steps1 - steps0, 1), 2),
                 }), flush=True)
 

@@ -105,3 +105,34 @@ class MHATokenToKVPool:
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         elem = dtype.itemsize
         return 2 * num_layers * num_kv_heads * head_dim * elem
+
+
+class StackedKVPool:
+    """Two pools of the same slots seen as one for a KV transfer: the target model's layers, then a
+    draft model's (speculative decoding, tidal/spec/draft.py), so a prefill server's pages carry the
+    draft's KV of the prompt too. Both pools must share slot count, page size, dtype, heads and head
+    size; `draft_layers` tells the partner's layout check what is stacked."""
+
+    def __init__(self, target: MHATokenToKVPool, draft: MHATokenToKVPool):
+        problem = stack_problem(target, draft)
+        if problem is not None:
+            raise ValueError(f"cannot stack the draft model's KV pool under the target's: {problem}")
+        self.target, self.draft = target, draft
+        self.size, self.page_size, self.dtype = target.size, target.page_size, target.dtype
+        self.num_kv_heads, self.head_dim, self.device = target.num_kv_heads, target.head_dim, target.device
+        self.num_layers = target.num_layers + draft.num_layers
+        self.draft_layers = draft.num_layers
+        self.k_buffer = target.k_buffer + draft.k_buffer
+        self.v_buffer = target.v_buffer + draft.v_buffer
+        self.shm_path = None
+
+    def bytes_per_token(self) -> int:
+        return self.target.bytes_per_token() + self.draft.bytes_per_token()
+
+
+def stack_problem(target: MHATokenToKVPool, draft: MHATokenToKVPool) -> Optional[str]:
+    """Why the two pools cannot travel as one, or None."""
+    for name in ("size", "page_size", "dtype", "num_kv_heads", "head_dim"):
+        if getattr(target, name) != getattr(draft, name):
+            return f"{name} {getattr(target, name)} != {getattr(draft, name)}"
+    return None

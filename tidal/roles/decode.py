@@ -139,6 +139,8 @@ class DecodeRole:
             return
         req.first_prefill_done = True
         req.cached_tokens = rec.cached_tokens
+        if self.transfer.carries_draft:  # the prefill server's draft model ran on the prompt too
+            req.draft_kv_len = req.kv_len
         s.stats.on_prompt(len(req.origin_input_ids), req.cached_tokens)
         if finish_if_prompt_only(req):  # the prefill side's first token is not an output
             req.pd = None

@@ -70,6 +70,7 @@ class RoleLoop(Protocol):
     lora: LoRAScheduling  # `fits(req, running)`: whether its adapter fits beside the running batch
     stats: SchedulerStats  # `on_prompt(n, cached)`: counts a prompt prefilled elsewhere (decode)
     stop: StopChecker  # `check(req)`: ends a request on EOS, stop tokens or strings, or length
+    transfer_pool: Any  # what a KV transfer moves: the runner's KV pool, a draft model's stacked under it
 
     @property
     def tree_cache(self) -> Any:

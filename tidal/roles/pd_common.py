@@ -48,7 +48,7 @@ class TransferComponents:
             engine_rank=sched.tp.rank,  # the partner may run another TP size: heads are sliced (transfer.heads)
             tp_size=sched.tp.size,
             total_kv_heads=sched.runner.model_config.num_kv_heads,
-            kv_pool=sched.runner.kv_pool,
+            kv_pool=sched.transfer_pool,
             metadata=self.metadata,
             page_size=args.page_size,
             kv_dtype=kv_dtype_name(sched.runner.dtype),
@@ -56,6 +56,8 @@ class TransferComponents:
             bootstrap_key=args.disaggregation_bootstrap_key,
         )
         self.manager = create_kv_manager(args.disaggregation_transfer_backend, kv_args, mode, bootstrap_port)
+        # a draft model's KV arrives with the target's (tidal/kvcache/kv_pool.py StackedKVPool)
+        self.carries_draft = getattr(sched.transfer_pool, "draft_layers", 0) > 0
 
     def register(self, bootstrap_port: int) -> None:
         """Announce this prefill rank to the bootstrap server (rank 0's; retried while it comes up)."""

@@ -12,6 +12,7 @@ from tidal.config import ServerArgs
 from tidal.constrained.compiler import GrammarCompiler
 from tidal.constrained.grammar import JsonStyle
 from tidal.constrained.masks import GrammarBatch
+from tidal.kvcache.kv_pool import StackedKVPool, stack_problem
 from tidal.kvevents.publisher import KVEvents
 from tidal.messages import (
     AbortReq,
@@ -98,6 +99,7 @@ class Scheduler:
         self.timing = StepTiming()
         self.last_batch_size = 0
         self.speculator = self._speculator(draft_runner) if args.speculative_algorithm else None
+        self.transfer_pool = self._transfer_pool()
         # decode passes overlap the scheduler's work (not with TP: the ranks' collectives
         # would run from two threads; not with speculation: its guesses need the last token)
         self.overlap = not args.disable_overlap_schedule and self.tp.size == 1 and self.speculator is None
@@ -124,6 +126,19 @@ class Scheduler:
                 raise ValueError("the draft model's KV pool must have a slot for every slot of the target's")
             draft = DraftModel(draft_runner, self.runner.model_config)
         return Speculator(self.args, self.context_length, draft)
+
+    def _transfer_pool(self) -> Any:
+        """What a KV transfer moves: the KV pool, with a draft model's stacked under it so that a prefill
+        server's draft KV of the prompt reaches decode (not with shm: its pages live in one shared file)."""
+        pool = getattr(self.runner, "kv_pool", None)
+        draft = self.speculator.draft if self.speculator is not None else None
+        if draft is None or self.args.disaggregation_transfer_backend == "shm":
+            return pool
+        problem = stack_problem(pool, draft.kv_pool)
+        if problem is not None:
+            logger.warning("the draft model's KV stays out of KV transfers (%s): decode servers rebuild it", problem)
+            return pool
+        return StackedKVPool(pool, draft.kv_pool)
 
     def _hold_bootstrap_port(self):
         """A switchable server's rank 0 holds its bootstrap port from the start, so that when it

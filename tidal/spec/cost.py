@@ -21,15 +21,25 @@ class PassCost:
     def observe(self, tokens: int, seconds: float) -> None:
         self._passes.append((tokens, seconds))
 
-    def fixed_over_per_token(self) -> float:
-        """fixed / per_token: how many tokens' worth of work every pass costs anyway."""
+    def fit(self) -> "tuple[float, float] | None":
+        """(fixed, per_token) seconds, or None while the passes seen say too little."""
         if len(self._passes) < 16:
-            return DEFAULT_FIXED_OVER_PER_TOKEN
+            return None
         t = np.array([p[0] for p in self._passes], dtype=np.float64)
         s = np.array([p[1] for p in self._passes], dtype=np.float64)
         if t.std() < 1.0:
-            return DEFAULT_FIXED_OVER_PER_TOKEN
+            return None
         per_token, fixed = np.polyfit(t, s, 1)
         if per_token <= 0 or fixed <= 0:
+            return None
+        return float(fixed), float(per_token)
+
+    def fixed_over_per_token(self) -> float:
+        """fixed / per_token: how many tokens' worth of work every pass costs anyway."""
+        fit = self.fit()
+        if fit is None:
             return DEFAULT_FIXED_OVER_PER_TOKEN
-        return float(min(fixed / per_token, 64.0))
+        return float(min(fit[0] / fit[1], 64.0))
+
+    def mean_seconds(self) -> "float | None":
+        return float(np.mean([p[1] for p in self._passes])) if len(self._passes) >= 16 else None

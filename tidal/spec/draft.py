@@ -23,11 +23,13 @@ guesses worse, never wrongly (the target verifies every guess).
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import torch
 
 from tidal.scheduler.req import Req
 from tidal.scheduler.schedule_batch import ScheduleBatch, extend_forward_batch
+from tidal.spec.cost import PassCost
 
 
 class DraftModel:
@@ -38,6 +40,7 @@ class DraftModel:
                              f"{target_config.vocab_size}: a draft must share the target's tokenizer")
         self.runner = runner
         self.passes = 0  # draft passes run (mirrors and guesses)
+        self.cost = PassCost()  # the guessing passes' times (the speculator weighs them against their guesses)
 
     @property
     def kv_pool(self):
@@ -81,6 +84,8 @@ class DraftModel:
         fb = extend_forward_batch(reqs, flat, positions, out_loc, starts, seq_lens, table, self.runner.kv_pool)
         fb.lora_names = None  # the draft has no adapters
         last = torch.tensor([len(t) for t in tokens], dtype=torch.int64, device=dev).cumsum(0) - 1
-        logits = self.runner.forward(fb, last)
+        t0 = time.perf_counter()
+        picked = self.runner.forward(fb, last).argmax(dim=-1).tolist()
+        self.cost.observe(len(flat), time.perf_counter() - t0)
         self.passes += 1
-        return logits.argmax(dim=-1).tolist()
+        return picked

@@ -75,25 +75,34 @@ class Speculator:
         """The proposals cut to the guesses that raise the pass's expected tokens per second.
 
         A request's j-th guess is kept with probability a^j, a being its guesses' record
-        (kept / (kept + refused), decayed); a pass of T tokens costs fixed + per_token * T.
-        Guesses are taken best first while the next one's expected tokens exceed what its
-        token of work yields at the rate reached so far: a^j * (fixed / per_token + T) > gained.
-        A request idle for EXPLORE_EVERY steps guesses once first, so a record can recover.
+        (kept / (kept + refused), decayed); a pass of T tokens costs fixed + per_token * T,
+        and with a draft model each round of guesses (the j-th guesses of every request that
+        makes j) one draft pass more, `round_cost` tokens' worth. Guesses are taken best first
+        while the next one's expected tokens exceed what its cost yields at the rate reached so
+        far: a^j * (fixed / per_token + T + D) > gained * (1 + c), D the draft rounds' cost so far,
+        c the round this guess opens (0 if open). A request idle for EXPLORE_EVERY steps guesses
+        once first, so a record can recover.
         """
         ratio = self.cost.fixed_over_per_token()
+        round_cost = self._draft_round_cost()
         rate = [r.spec_kept / (r.spec_kept + r.spec_refused) for r in reqs]
         take = [1 if p and r.spec_idle >= EXPLORE_EVERY else 0 for r, p in zip(reqs, proposals, strict=True)]
         gained = len(reqs) + sum(a for a, k in zip(rate, take) if k)
         tokens = len(reqs) + sum(take)
+        rounds = 1 if any(take) else 0
+        drafting = round_cost * rounds
         heap = [(-a ** (k + 1), i) for i, (a, p, k) in enumerate(zip(rate, proposals, take, strict=True))
                 if len(p) > k]
         heapq.heapify(heap)
         while heap:
             value, i = heapq.heappop(heap)
             value = -value
-            if value * (ratio + tokens) <= gained:
+            opens = round_cost if take[i] + 1 > rounds else 0.0
+            if value * (ratio + tokens + drafting) <= gained * (1 + opens):
                 break  # the best guess left does not pay; no other does
             take[i] += 1
+            rounds = max(rounds, take[i])
+            drafting += opens
             gained += value
             tokens += 1
             if take[i] < len(proposals[i]):
@@ -101,6 +110,14 @@ class Speculator:
         for r, k in zip(reqs, take, strict=True):
             r.spec_idle = 0 if k else r.spec_idle + 1
         return [p[:k] for p, k in zip(proposals, take, strict=True)]
+
+    def _draft_round_cost(self) -> float:
+        """A draft pass in target tokens' worth of time (0 without a draft model, or while either fit
+        is unknown: guess freely until measured)."""
+        if self.draft is None:
+            return 0.0
+        fit, draft_s = self.cost.fit(), self.draft.cost.mean_seconds()
+        return 0.0 if fit is None or draft_s is None else draft_s / fit[1]
 
     def _room(self, req: Req) -> int:
         """Guesses that can still become output: the target's own token comes after them."""

@@ -308,10 +308,11 @@ def layout_of(args: KVArgs) -> dict:
         "total_kv_heads": args.head_layout().total_heads,
         "tp_size": args.tp_size,
         "tp_rank": args.engine_rank,
+        "draft_layers": getattr(pool, "draft_layers", 0),  # a draft model's KV stacked under the target's
     }
 
 
-_SAME_ACROSS_RANKS = ("num_layers", "head_dim", "dtype", "page_size", "total_kv_heads")
+_SAME_ACROSS_RANKS = ("num_layers", "head_dim", "dtype", "page_size", "total_kv_heads", "draft_layers")
 
 
 def layout_problem(prefill: dict, decode: dict) -> Optional[str]:
@@ -321,10 +322,15 @@ def layout_problem(prefill: dict, decode: dict) -> Optional[str]:
         layout.setdefault("tp_size", 1)
         layout.setdefault("tp_rank", 0)
         layout.setdefault("total_kv_heads", layout.get("num_kv_heads", 0) * layout["tp_size"])
+        layout.setdefault("draft_layers", 0)
     differ = [k for k in _SAME_ACROSS_RANKS if prefill.get(k) != decode.get(k)]
-    if differ:
-        return "KV layout mismatch: " + ", ".join(f"{k} prefill {prefill.get(k)} decode {decode.get(k)}" for k in differ)
-    return None
+    if not differ:
+        return None
+    why = "KV layout mismatch: " + ", ".join(f"{k} prefill {prefill.get(k)} decode {decode.get(k)}" for k in differ)
+    if "draft_layers" in differ:
+        why += (" (the KV of a speculative draft model travels with the target's: run prefill and decode with the "
+                "same --speculative-algorithm STANDALONE --speculative-draft-model-path, or neither)")
+    return why
 
 
 def head_bytes(pool: MHATokenToKVPool) -> int:
