@@ -96,7 +96,7 @@ class RecordingTM:
         self.calls.append("abort_request")
         return 0
 
-    async def switch_mode(self, mode, drain, timeout_s, flush_cache, handover=False):
+    async def switch_mode(self, mode, drain, timeout_s, flush_cache, handover=False, migrate_to=(), migrate_timeout_s=30.0):
         self.calls.append("switch_mode")
         return SwitchModeResp(call_id=0, status_code=200, status="ok", message="", current_mode=mode, epoch=1)
 

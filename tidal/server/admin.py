@@ -80,8 +80,8 @@ async def _switch(request: Request, mode: str, drain: bool, timeout_s: float, fl
     if not 0 < timeout_s <= 3600:
         raise ApiError(f"timeout_s must be in (0, 3600], got {timeout_s}")
     tm = request.app.state.ctx.tm
-    return _switch_response(await tm.switch_mode(mode, drain, timeout_s, flush_cache, handover, migrate_to,
-                                                 migrate_timeout_s))
+    return _switch_response(await tm.switch_mode(mode, drain, timeout_s, flush_cache, handover,
+                                                 migrate_to=migrate_to, migrate_timeout_s=migrate_timeout_s))
 
 
 def add_admin_api(app: FastAPI) -> None:
