@@ -15,6 +15,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # SGLang's names (tidal/spec)
+ATTENTION_BACKENDS = ("auto", "torch", "flex")  # tidal/model/attn_backend.py
 DISAGG_MODES = ("null", "prefill", "decode")
 # (from, to): the switches that may hand over (roles/handover.py) instead of draining. A null server
 # switching to decode cannot: the decode role prefills none of the prompts it held.
@@ -138,6 +139,7 @@ class ServerArgs:
     context_length: Optional[int] = None
     # memory
     page_size: int = 1
+    attention_backend: str = "auto"  # tidal/model/attn_backend.py: auto | torch | flex
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
     disable_radix_cache: bool = False
@@ -247,6 +249,11 @@ class ServerArgs:
             raise ValueError(f"--disaggregation-mode must be one of {DISAGG_MODES}")
         if self.disaggregation_transfer_backend not in TRANSFER_BACKENDS:
             raise ValueError(f"--disaggregation-transfer-backend must be one of {TRANSFER_BACKENDS}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"--attention-backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "flex" and self.enable_torch_compile:
+            raise ValueError("--enable-torch-compile compiles the torch attention backend's decode step; "
+                             "--attention-backend flex compiles its attention on its own: choose one")
         bad = [u for u in self.retraction_migrate_to if not u.startswith(("http://", "https://"))]
         if bad:
             raise ValueError(f"--retraction-migrate-to takes http(s) base URLs of decode servers, got {bad[:3]}")
@@ -371,6 +378,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--device", default=d.device, help="auto | cpu | cuda")
     a("--context-length", type=int, default=None, help="maximum context in tokens (default: the model's)")
     a("--page-size", type=int, default=d.page_size, help="KV cache page size in tokens")
+    a("--attention-backend", choices=ATTENTION_BACKENDS, default=d.attention_backend,
+      help="torch: gather + SDPA, the exact reference; flex: PyTorch's FlexAttention over the page table, compiled "
+           "(a page size of 16 or more suits it); auto: torch for now")
     a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (overrides --mem-fraction-static)")
     a("--mem-fraction-static", "--mem-fraction", dest="mem_fraction_static", type=float, default=d.mem_fraction_static,
       help="fraction of free memory left after the weights to give to the KV pool")

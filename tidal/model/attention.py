@@ -94,6 +94,8 @@ class TorchNativeAttnBackend:
     "bag"; "bag" needs a float32 CPU pool and falls back to "sdpa" otherwise.
     """
 
+    name = "torch"
+
     def __init__(self, decode_path: str = "auto") -> None:
         if decode_path not in DECODE_PATHS:
             raise ValueError(f"decode_path must be one of {DECODE_PATHS}, not {decode_path!r}")

@@ -10,7 +10,7 @@ import torch
 from tidal.config import ServerArgs
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
-from tidal.model.attention import TorchNativeAttnBackend
+from tidal.model.attn_backend import create_attention_backend
 from tidal.model.compiled import CompiledDecode, warm_up
 from tidal.model.forward_batch import ForwardBatch
 from tidal.model.loader import load_model, resolve_model_path
@@ -72,7 +72,7 @@ class ModelRunner:
         plan = cpu_plan or plan_member(self.tp.rank, self.tp.size, pin=False, cpu_limit=cgroup_cpu_limit())
         self.torch_threads = args.torch_threads or plan.threads
         torch.set_num_threads(self.torch_threads)
-        self.attn_backend = TorchNativeAttnBackend()
+        self.attn_backend = create_attention_backend(args.attention_backend, self.device)
         self.quantization = resolve_quantization(args.quantization, resolve_model_path(args.model_path)[0],
                                                  args.dtype, self.device, self.tp.size)
         self.model, self.model_config = load_model(
