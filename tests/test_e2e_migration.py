@@ -170,6 +170,7 @@ def test_the_router_moves_a_worker_by_migrating_what_it_runs(servers, reference)
     assert_idle_and_intact(target.url)
 
 
+@pytest.mark.slow  # tests/test_migration.py covers retraction by migration on the fake model (suite time)
 def test_a_server_short_of_kv_moves_what_it_retracts(servers):
     """--retraction-migrate-to: a server whose KV runs out moves its retraction victims to the decode server;
     every answer equals the one a roomy server gives."""

@@ -182,6 +182,8 @@ def test_greedy_decode(runner, prompts, hf_ref, i, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_chunked_prefill(runner, prompts, hf_ref, page_size):
     """Each prompt (+ its continuation) prefilled in EXTEND chunks of 5 tokens on top of the previous chunks."""
+    if runner.attn_backend.name == "flex" and page_size == 1:
+        pytest.skip("eager flex evaluates its mask over the whole pool: page size 16 only (suite time)")
     for i, p in enumerate(prompts):
         seq = p + hf_ref[i][0][:8]
         kv = PagedKV(runner.model_config, page_size=page_size, seed=10 + i)
@@ -194,6 +196,8 @@ def test_chunked_prefill(runner, prompts, hf_ref, page_size):
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_mixed_batches(runner, prompts, hf_ref, page_size):
     """One ragged EXTEND (two fresh prompts + one extending a cached prefix), then batched DECODE steps."""
+    if runner.attn_backend.name == "flex" and page_size == 1:
+        pytest.skip("eager flex evaluates its mask over the whole pool: page size 16 only (suite time)")
     kv = PagedKV(runner.model_config, page_size=page_size, seed=20)
     n2 = len(prompts[2])
     cut = n2 // 2 + 3  # not page aligned
