@@ -23,6 +23,7 @@ from tqdm.auto import tqdm
 from tidal.cli_help import DefaultsHelpFormatter
 from tidal.config import bearer_headers, keys_from_env, mask_secrets
 from tidal.sampling_params import SamplingParams
+from tidal.sse import iter_sse
 from tidal.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -94,24 +95,6 @@ def build_payload(t: Target, req: BenchRequest) -> tuple[str, dict[str, Any]]:
         return "/v1/completions", body
     body["messages"] = [{"role": "user", "content": req.prompt}]
     return "/v1/chat/completions", body
-
-
-async def iter_sse(resp: aiohttp.ClientResponse) -> AsyncIterator[Optional[dict[str, Any]]]:
-    """The JSON objects of `data:` lines; None for `data: [DONE]` (then stops)."""
-    buf = b""
-    async for chunk in resp.content.iter_any():
-        buf += chunk
-        while b"\n" in buf:
-            line, buf = buf.split(b"\n", 1)
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            payload = line[5:].strip()
-            if payload == b"[DONE]":
-                yield None
-                return
-            if payload:
-                yield json.loads(payload)
 
 
 def _apply_generate(data: dict[str, Any], st: StreamState) -> bool:

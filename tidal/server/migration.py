@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 from dataclasses import dataclass, field
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ import aiohttp
 import msgspec
 
 from tidal.messages import CancelMigrationReq, FinishReason, MigrationTicket, ReqOutput
+from tidal.sse import iter_sse
 
 if TYPE_CHECKING:
     from tidal.server.tokenizer_manager import ReqState, TokenizerManager
@@ -153,14 +153,9 @@ class MigrationRelay:
 
     async def _read_events(self, relay: Relay, state: ReqState, r: aiohttp.ClientResponse) -> Optional[str]:
         """Relay every event until the answer ends; an error's text, or None."""
-        async for line in r.content:
-            line = line.strip()
-            if not line.startswith(b"data:"):
-                continue
-            data = line[5:].strip()
-            if data == b"[DONE]":
+        async for event in iter_sse(r):
+            if event is None:  # data: [DONE]
                 return None
-            event = json.loads(data)
             if "error" in event:
                 err = event["error"]
                 return err.get("message", str(err)) if isinstance(err, dict) else str(err)

@@ -36,11 +36,11 @@ class Speculator:
     def verify_batch(self, reqs: list[Req], mem: KVMemory, kv_pool: Any) -> Optional[ScheduleBatch]:
         """This step's verification pass, or None: decode as usual (nothing guessed, a constrained
         request in the batch, or too little KV for the guesses)."""
+        if any(r.grammar is not None for r in reqs):
+            return None  # its matcher would have to follow every guess
         if self.draft is None:
             drafts = self.drafts(reqs, mem)
             return None if drafts is None else build_verify_batch(reqs, drafts, mem, kv_pool)
-        if any(r.grammar is not None for r in reqs):
-            return None
         counts = [len(p) for p in self._worth_it(reqs, [[0] * min(self.guesses, self._room(r)) for r in reqs])]
         if not any(counts) or not self._fits(counts, mem):
             return None
@@ -53,10 +53,8 @@ class Speculator:
         return build_verify_batch(reqs, drafts, mem, kv_pool, out_loc)
 
     def drafts(self, reqs: list[Req], mem: KVMemory) -> Optional[list[list[int]]]:
-        """NGRAM's guesses per request for this step, or None: decode as usual (nothing guessed, a
-        constrained request in the batch, or too little KV for the guesses)."""
-        if any(r.grammar is not None for r in reqs):
-            return None  # its matcher would have to follow every guess
+        """NGRAM's guesses per request for this step (none constrained), or None: decode as usual (nothing
+        guessed, or too little KV for the guesses)."""
         drafts = self._worth_it(reqs, [self.proposer.propose(r.all_ids, self._room(r)) for r in reqs])
         if not any(drafts):
             return None
