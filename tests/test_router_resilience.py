@@ -288,6 +288,17 @@ def test_a_failing_prefill_does_not_open_its_decode_partners_breaker(m):
         assert resp.status_code == 200 and "bootstrap_room" not in m["d1"].requests[-1][1]
 
 
+def test_a_decode_failure_that_ends_before_its_failing_prefill_is_still_the_prefills(m):
+    with RouterServer(prefill=[(m["p1"].url, 8998)], decode=[m["d1"].url], cb_failure_threshold=2,
+                      max_retries=0) as r:
+        m["p1"].fail_next, m["p1"].fail_status, m["p1"].hang_s = 2, 500, 0.3
+        m["d1"].fail_next, m["d1"].fail_status = 2, 500  # decode answers first: its call ends with an error
+        for _ in range(2):
+            assert gen(r).status_code == 500
+        state = {url: w["circuit_breaker"]["state"] for url, w in workers_by_url(r).items()}
+        assert state == {m["p1"].url: "open", m["d1"].url: "closed"}
+
+
 def test_a_retry_waits_at_least_the_workers_retry_after(m):
     with RouterServer(workers=[m["n1"].url], max_retries=1, retry_max_backoff_s=2.0) as r:
         m["n1"].fail_next, m["n1"].fail_status, m["n1"].fail_headers = 1, 429, {"Retry-After": "0.4"}

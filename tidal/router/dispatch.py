@@ -336,14 +336,14 @@ class Dispatcher:
         data = msgspec.json.encode(inject_bootstrap(body, route, p))
         p_leg = self._leg(p, PREFILL, route, data, auth)
         d_leg = self._leg(d, DECODE, route, data, auth)
+        d_leg.hold_verdict()
         p_task = _leg_task(p_leg, False)
         d_task = _leg_task(d_leg, stream)
         handed_off = False
         try:
             await asyncio.wait({p_task, d_task}, return_when=asyncio.FIRST_COMPLETED)
             if p_task.done() and not d_task.done() and not p_leg.ok:
-                # decode cannot finish without its KV; cut off now, its breaker is not charged (its call may
-                # have read an error status already, which the cancelled task would otherwise record)
+                # decode cannot finish without its KV; cut off now, its breaker is not charged
                 d_leg.settle(NEUTRAL)
                 return Failure(p_leg, p_leg.retryable)
             await d_task
@@ -355,12 +355,14 @@ class Dispatcher:
                     return Failure(p_leg, p_leg.retryable, d_leg)
                 return Failure(d_leg, d_leg.retryable)
             handed_off = True
+            d_leg.release_verdict()
             if stream:
                 return RelayResponse(d_leg, p_task, self._after_stream)
             return await self._decode_answer(body, d_leg, p_leg, p_task)
         finally:
             if not handed_off:
                 await _cancel(p_task, d_task)
+                d_leg.settle()  # its own verdict, unless one was given above
 
     async def _decode_answer(self, body: dict, d_leg: Leg, p_leg: Leg, p_task: asyncio.Task) -> Response:
         if not wants_logprobs(body):

@@ -80,6 +80,7 @@ class Leg:
         self.breakers = breakers
         self._probe = breakers.claim(worker.url) if breakers is not None else False
         self._settled = breakers is None
+        self._verdict_held = False  # close() leaves the breaker to the owner (see hold_verdict)
 
     @property
     def ok(self) -> bool:
@@ -112,6 +113,16 @@ class Leg:
         if not self._settled:
             self._settled = True
             self.breakers.record(self.worker.url, verdict or self.verdict(), self._probe)
+
+    def hold_verdict(self) -> None:
+        """The call's end does not settle its breaker: the owner settles it, once it knows whose failure it was
+        (a decode leg that fails because its prefill did is not charged, whichever task ends first)."""
+        self._verdict_held = True
+
+    def release_verdict(self) -> None:
+        self._verdict_held = False
+        if not self._active:
+            self.settle()
 
     def retry_after_s(self) -> Optional[float]:
         return parse_retry_after(self.headers.get("retry-after"))
@@ -182,7 +193,8 @@ class Leg:
 
     def close(self) -> None:
         """Release the worker; an unfinished response is closed with its connection (the worker sees it)."""
-        self.settle()
+        if not self._verdict_held:
+            self.settle()
         if self._active:
             self._active = False
             self.registry.end(self.worker)
