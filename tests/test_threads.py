@@ -89,12 +89,13 @@ def test_this_host_cores_cover_its_cpus():
 
 
 def test_server_env_keeps_the_users_choices():
-    env: dict[str, str] = {}
+    env: dict[str, str] = {"XDG_CACHE_HOME": "/c"}
     set_server_env(env)
-    assert env == {"TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
-    env = {"GOMP_SPINCOUNT": "1000", "TOKENIZERS_PARALLELISM": "true"}
+    assert env == {"XDG_CACHE_HOME": "/c", "TORCHINDUCTOR_CACHE_DIR": "/c/tidal/inductor",
+                   "TOKENIZERS_PARALLELISM": "false", "OMP_WAIT_POLICY": "PASSIVE"}
+    env = {"GOMP_SPINCOUNT": "1000", "TOKENIZERS_PARALLELISM": "true", "TORCHINDUCTOR_CACHE_DIR": "/mine"}
     set_server_env(env)
-    assert env == {"GOMP_SPINCOUNT": "1000", "TOKENIZERS_PARALLELISM": "true"}
+    assert env == {"GOMP_SPINCOUNT": "1000", "TOKENIZERS_PARALLELISM": "true", "TORCHINDUCTOR_CACHE_DIR": "/mine"}
 
 
 def thread_count(pid: int) -> int:

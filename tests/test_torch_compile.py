@@ -18,11 +18,14 @@ from tidal.model.forward_batch import ForwardMode
 PROMPT_LENS = (23, 40, 9)  # ragged on purpose: batches of 2+ carry a padding mask
 
 
-@pytest.fixture(scope="module")
-def bench():
-    args = ServerArgs(model_path=default_model_path(), dtype="float32", device="cpu", page_size=16,
+@pytest.fixture(scope="module", params=["float32", "bfloat16-prepacked"])
+def bench(request):
+    """float32: the exact path; bfloat16 with oneDNN-prepacked weights: graph constants under inductor's
+    freezing (tidal/model/compiled.py), the default on a CPU with native bfloat16."""
+    dtype = request.param.split("-")[0]
+    args = ServerArgs(model_path=default_model_path(), dtype=dtype, device="cpu", page_size=16,
                       torch_threads=1, max_total_tokens=16 * 32, enable_torch_compile=True,
-                      torch_compile_max_bs=2)
+                      torch_compile_max_bs=2, weight_prepack="on" if "prepacked" in request.param else "off")
     sb = StepBench(args, max_batch=len(PROMPT_LENS), context=64)
     for row, n in enumerate(PROMPT_LENS):
         sb.run(sb.batch(ForwardMode.EXTEND, [(row, 0, n)]))
@@ -52,8 +55,15 @@ def test_compiled_decode_matches_eager_and_compiles_nothing_after_start(bench):
     for step in range(4):  # contexts grow every step: dynamic lengths, no new graph
         for rows in ([0], [1], [0, 1], [2, 1]):
             eager, compiled = _decode_both(bench, rows, [lens[r] for r in rows])
-            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-            assert torch.equal(compiled.argmax(-1), eager.argmax(-1)), (step, rows)
+            if bench.runner.dtype == torch.float32:
+                torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+                assert torch.equal(compiled.argmax(-1), eager.argmax(-1)), (step, rows)
+                continue
+            # bfloat16 activations: fused kernels round at other points than eager ops; compiled's
+            # top token is eager's or one eager scores within that rounding of its own top
+            assert (compiled - eager).abs().max() < 1.0, (step, rows)  # logits ~20: a few bf16 ulps
+            picked = eager.gather(1, compiled.argmax(-1, keepdim=True))[:, 0]
+            assert (eager.max(-1).values - picked).max() < 0.5, (step, rows)
         for r in range(len(lens)):
             lens[r] += 1
     assert counters["stats"]["unique_graphs"] == graphs_at_start

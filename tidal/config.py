@@ -16,6 +16,7 @@ QUANTIZATIONS = ("auto", "none", "gguf", "w8a16")
 GRAMMAR_BACKENDS = ("llguidance", "none")
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")  # SGLang's names (tidal/spec)
 ATTENTION_BACKENDS = ("auto", "torch", "flex")  # tidal/model/attn_backend.py
+WEIGHT_PREPACK = ("auto", "on", "off")  # tidal/model/cpu_kernels.py
 DISAGG_MODES = ("null", "prefill", "decode")
 # (from, to): the switches that may hand over (roles/handover.py) instead of draining. A null server
 # switching to decode cannot: the decode role prefills none of the prompts it held.
@@ -135,6 +136,7 @@ class ServerArgs:
     dtype: str = "auto"
     quantization: str = "auto"
     quantized_max_tokens: int = 8
+    weight_prepack: str = "auto"
     device: str = "auto"
     context_length: Optional[int] = None
     # memory
@@ -181,7 +183,7 @@ class ServerArgs:
     disable_cpu_pinning: bool = False
     stream_interval: int = 1
     disable_overlap_schedule: bool = False
-    enable_torch_compile: bool = False
+    enable_torch_compile: Optional[bool] = None  # None: where it pays (tidal/model/cpu_kernels.py)
     torch_compile_max_bs: int = 32
     enable_integrity_check: bool = False
     kv_events_config: Optional[str] = None  # SGLang's --kv-events-config JSON (tidal.kvevents)
@@ -231,6 +233,8 @@ class ServerArgs:
             raise ValueError(f"--quantization must be one of {QUANTIZATIONS}")
         if self.quantized_max_tokens < 0:
             raise ValueError("--quantized-max-tokens must be >= 0")
+        if self.weight_prepack not in WEIGHT_PREPACK:
+            raise ValueError(f"--weight-prepack must be one of {WEIGHT_PREPACK}")
         if self.page_size < 1:
             raise ValueError("--page-size must be >= 1")
         if self.tp_size < 1:
@@ -375,6 +379,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="with --quantization gguf/w8a16: forward passes of at most this many tokens use the int4 kernels, "
       "larger ones (prefill, big decode batches) a dense copy of the same weights in --dtype; "
       "0 keeps no dense copy and runs every pass in int4 (less memory, slower prefill)")
+    a("--weight-prepack", choices=WEIGHT_PREPACK, default=d.weight_prepack,
+      help="on: dense weights reordered once into oneDNN's blocked layout at load (CPU); auto: on where the CPU "
+      "has native bfloat16 (AMX or AVX512-BF16) and the model runs in bfloat16; the choice and its reason are "
+      "logged at --log-level info")
     a("--device", default=d.device, help="auto | cpu | cuda")
     a("--context-length", type=int, default=None, help="maximum context in tokens (default: the model's)")
     a("--page-size", type=int, default=d.page_size, help="KV cache page size in tokens")
@@ -440,10 +448,14 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--disable-overlap-schedule", action="store_true",
       help="run each decode step's scheduling and result processing between forward passes instead of "
            "while the next pass runs (default: overlapped; TP > 1 and the prefill role never overlap)")
-    a("--enable-torch-compile", action="store_true",
-      help="compile the decode step with torch.compile (inductor): fewer, fused ops per step, fastest at "
-           "small batches; compiles a few graphs at start-up (a minute or more on a small CPU, faster once "
-           "inductor's on-disk cache has them) and needs a C++ compiler; --tp 1 only")
+    a("--enable-torch-compile", action="store_const", const=True, default=None,
+      help="compile the decode step with torch.compile (inductor): fewer, fused ops per step; compiles a few "
+           "graphs at start-up (a minute or more on a small CPU the first time, faster once inductor's on-disk "
+           "cache has them) and needs a C++ compiler; --tp 1 only. Default: on where it pays (a CPU, --tp 1, no "
+           "LoRA, the torch attention backend, a C++ compiler; TIDAL_TORCH_COMPILE_AUTO=off turns the default "
+           "off), said at --log-level info")
+    a("--disable-torch-compile", dest="enable_torch_compile", action="store_const", const=False,
+      help="never compile the decode step")
     a("--torch-compile-max-bs", type=int, default=d.torch_compile_max_bs,
       help="with --enable-torch-compile: decode batches of at most this many requests run compiled, larger "
            "ones and every prefill eager")

@@ -49,8 +49,17 @@ def simd_flags(flags: list[str]) -> list[str]:
     return sorted({f for f in flags if f.startswith(("avx", "amx", "fma")) or f == "f16c"})
 
 
+def inductor_cache_dir(environ=os.environ) -> str:
+    """Where a server keeps inductor's compiled graphs and kernels: under the user's cache directory, so
+    a restart (or a reboot, which empties inductor's default under /tmp) finds them."""
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "tidal", "inductor")
+
+
 def set_server_env(environ=os.environ) -> None:
-    """Sets SERVER_ENV where the user has not chosen (any spin setting counts as a choice)."""
+    """Sets SERVER_ENV and the inductor cache directory where the user has not chosen (any spin setting
+    counts as a choice)."""
+    environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor_cache_dir(environ))
     if "TOKENIZERS_PARALLELISM" not in environ:
         environ["TOKENIZERS_PARALLELISM"] = SERVER_ENV["TOKENIZERS_PARALLELISM"]
     if not any(v in environ for v in SPIN_ENV_VARS):

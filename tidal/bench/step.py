@@ -199,6 +199,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     a("--model-path", default=None, help="GGUF file or HF directory (default: the bundled SmolLM2 GGUF)")
     a("--dtype", default="auto", help="as for tidal serve")
     a("--quantization", default=None, help="as for tidal serve (default: tidal serve's default)")
+    a("--weight-prepack", default="auto", help="as for tidal serve")
+    a("--quantized-max-tokens", type=int, default=8, help="as for tidal serve")
     a("--batch-sizes", type=int, nargs="+", default=[1, 8, 32], help="decode batch sizes to time")
     a("--context", type=int, default=256, help="KV tokens per request while timing decode")
     a("--page-size", type=int, default=16, help="KV page size")
@@ -218,14 +220,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     max_batch = max(ns.batch_sizes) + (1 if ns.prefill else 0)
     context = max(ns.context, ns.prefill)
     kw = {} if ns.quantization is None else {"quantization": ns.quantization}
+    kw["enable_torch_compile"] = ns.torch_compile  # eager unless asked (the server's default compiles)
     if ns.torch_compile:
-        kw.update(enable_torch_compile=True, torch_compile_max_bs=max(ns.batch_sizes))
+        kw["torch_compile_max_bs"] = max(ns.batch_sizes)
     args = ServerArgs(model_path=ns.model_path or default_model_path(), dtype=ns.dtype, device="cpu",
-                      page_size=ns.page_size, torch_threads=ns.threads,
+                      page_size=ns.page_size, torch_threads=ns.threads, weight_prepack=ns.weight_prepack,
+                      quantized_max_tokens=ns.quantized_max_tokens,
                       max_total_tokens=(max_batch * (context // ns.page_size + 6)) * ns.page_size, **kw)
     sb = StepBench(args, max_batch, context)
     sb.fill(max(ns.batch_sizes), ns.context, ns.chunk)
     result = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "dtype": str(sb.runner.dtype),
+              "weight_prepack": sb.runner.kernels.weight_prepack,
               "decode": []}
     for b in ns.batch_sizes:
         for row in bench_decode(sb, b, ns.context, ns.warmup, ns.steps, ns.profile, tuple(ns.decode_paths)):

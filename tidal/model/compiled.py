@@ -1,4 +1,4 @@
-"""The decode step compiled with torch.compile (`--enable-torch-compile`).
+"""The decode step compiled with torch.compile (`--enable-torch-compile`, the default where it runs).
 
 A decode step of a small model is hundreds of tiny eager ops (norms, RoPE, casts around the
 quantized matmuls, K/V store and gather, residual adds): on CPU their dispatch costs as much as
@@ -11,7 +11,12 @@ graphs at start-up, not one per (batch, length): batch 1 (torch specialises size
 2..quantized-max-tokens (int4 kernels) and larger ones up to max_bs (dense weights). Every
 batch of two or more requests carries a padding mask, so uniform and ragged batches share a
 graph. The graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR), so a restart with
-the same model and flags compiles much faster than the first start.
+the same model and flags compiles much faster than the first start (tidal keeps that cache under
+~/.cache/tidal/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise).
+
+The graphs compile with inductor's freezing on: weights are constants of the graph, so oneDNN
+prepacked weights (tidal/model/packed.py) run inside it and plain bfloat16 ones get prepacked by
+inductor. On by default where it runs (tidal/model/cpu_kernels.py `choose_compile`).
 """
 
 from __future__ import annotations
@@ -26,6 +31,15 @@ from tidal.model.forward_batch import ForwardBatch, ForwardMode
 logger = logging.getLogger(__name__)
 
 
+class _DecodeLogits(torch.nn.Module):
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fb: ForwardBatch) -> torch.Tensor:
+        return self.model.compute_logits(self.model.model(fb))
+
+
 class CompiledDecode:
     """model.compute_logits(model.model(fb)) for DECODE batches of <= max_bs requests, compiled."""
 
@@ -37,10 +51,10 @@ class CompiledDecode:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 32)
         self.model, self.max_bs = model, max_bs
         self.quantized_max_tokens = quantized_max_tokens
-        self._step = torch.compile(self._logits, dynamic=True)
-
-    def _logits(self, fb: ForwardBatch) -> torch.Tensor:
-        return self.model.compute_logits(self.model.model(fb))
+        # freezing: the weights become graph constants, which inductor's oneDNN linears need for
+        # prepacked weights (tidal/model/packed.py). It must be inductor's config while a graph compiles
+        # (torch.compile's options= did not reach it in torch 2.13), and compiles happen at calls.
+        self._step = torch.compile(_DecodeLogits(model), dynamic=True)
 
     def takes(self, fb: ForwardBatch) -> bool:
         meta = fb.attn_metadata
@@ -49,14 +63,15 @@ class CompiledDecode:
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits [B, V], one row per request (a decode pass's every row)."""
-        return self._step(fb)
+        with torch._inductor.config.patch(freezing=True):
+            return self._step(fb)
 
     def warm_up_batch_sizes(self) -> list[int]:
         """One batch size per graph the server will need (see the module docstring)."""
         sizes = [1, 2]
         if self.quantized_max_tokens and self.quantized_max_tokens + 1 <= self.max_bs:
             sizes.append(self.quantized_max_tokens + 1)
-        return [b for b in sizes if b <= self.max_bs]
+        return sorted({b for b in sizes if b <= self.max_bs})
 
 
 def warm_up(compiled: CompiledDecode, runner, context: int = 16) -> float:

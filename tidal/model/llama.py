@@ -12,6 +12,7 @@ from torch import nn
 from tidal.model.attention import TorchNativeAttnBackend
 from tidal.model.config import ModelConfig
 from tidal.model.forward_batch import ForwardBatch
+from tidal.model.packed import linear_without_bias
 from tidal.parallel.comm import SingleRank
 from tidal.parallel.sharding import ModelShard
 
@@ -116,7 +117,7 @@ def row_parallel(layer: nn.Linear, x: torch.Tensor, tp) -> torch.Tensor:
     """A linear layer whose input columns are split over ranks: partial products, all-reduced, then the bias."""
     if tp.size == 1:
         return layer(x)
-    y = tp.all_reduce(F.linear(x, layer.weight))
+    y = tp.all_reduce(linear_without_bias(layer, x))
     return y if layer.bias is None else y + layer.bias
 
 

@@ -43,13 +43,14 @@ def read_model(path: str, int4_out: Optional[dict] = None) -> tuple[ModelConfig,
 def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
                attn_backend: Optional[TorchNativeAttnBackend] = None,
                context_length: Optional[int] = None, tp=None, quantization: str = "none",
-               max_quant_tokens: int = 8) -> tuple[LlamaForCausalLM, ModelConfig]:
+               max_quant_tokens: int = 8, prepack: bool = False) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Builds the model without random init (on meta), then fills it from the checkpoint.
 
     context_length, if given, overrides the config's (it sizes the RoPE cache). With a TP
     communicator `tp`, the model holds this rank's shard of the weights. quantization "gguf"
     serves the file's Q4_0/Q4_1 weights as int4, "w8a16" every linear layer as int8
-    (tidal/model/quant.py).
+    (tidal/model/quant.py). prepack reorders the dense weights into oneDNN's layout
+    (tidal/model/packed.py).
     """
     int4: Optional[dict] = {} if quantization == "gguf" else None
     config, weights = read_model(path, int4)
@@ -69,4 +70,8 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         from tidal.model.quant import quantize_model_w8a16
 
         quantize_model_w8a16(model, max_quant_tokens)
+    if prepack:
+        from tidal.model.packed import prepack_model
+
+        prepack_model(model)
     return model.eval(), config

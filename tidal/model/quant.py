@@ -108,10 +108,22 @@ class Int4Linear(nn.Module):
         self.register_buffer("scale_zero", sz.to(torch.bfloat16).contiguous())
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.dense = None if dense is None else nn.Parameter(dense, requires_grad=False)
+        self.register_buffer("dense_packed", None)  # pack_dense's
+
+    def has_dense(self) -> bool:
+        return self.dense is not None
+
+    def pack_dense(self) -> None:
+        """The dense copy reordered into oneDNN's layout (tidal/model/packed.py); the plain one is dropped."""
+        from tidal.model.packed import pack_weight
+
+        packed = pack_weight(self.dense.data)
+        self.dense = None
+        self.dense_packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_quant_tokens is not None and x.shape[0] > self.max_quant_tokens:
-            return F.linear(x, self.dense, self.bias)
+            return _dense(x, self.dense, self.dense_packed, self.out_features, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(
             x.to(torch.bfloat16), self.packed, GGUF_GROUP, self.scale_zero).to(x.dtype)
         return y if self.bias is None else y + self.bias
@@ -139,15 +151,38 @@ class Int8Linear(nn.Module):
         # a list: often the tied embedding, which must not be registered (and counted) twice
         self.dense = [weight] if keep_dense and max_quant_tokens else None
         self.max_quant_tokens = max_quant_tokens if self.dense is not None else None
+        self.register_buffer("dense_packed", None)  # pack_dense's
+
+    def has_dense(self) -> bool:
+        return self.dense is not None
+
+    def pack_dense(self) -> None:
+        """The dense copy in oneDNN's layout: its own tensor (a tied embedding stays as it is)."""
+        from tidal.model.packed import pack_weight
+
+        packed = pack_weight(self.dense[0])
+        self.dense = None
+        self.dense_packed = packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.max_quant_tokens is not None and x.shape[0] > self.max_quant_tokens:
-            return F.linear(x, self.dense[0], self.bias)
+            return _dense(x, None if self.dense is None else self.dense[0], self.dense_packed, self.out_features,
+                          self.bias)
         y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, dense above {self.max_quant_tokens} tokens"
+
+
+def _dense(x: torch.Tensor, plain: Optional[torch.Tensor], packed: Optional[torch.Tensor], out_features: int,
+           bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """A quantized layer's large passes: its dense copy, plain or prepacked."""
+    if packed is not None:
+        from tidal.model.packed import packed_linear
+
+        return packed_linear(x, packed, out_features, bias)
+    return F.linear(x, plain, bias)
 
 
 def resolve_quantization(name: str, model_kind: str, dtype_arg: str, device: torch.device,

@@ -12,6 +12,7 @@ from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attn_backend import create_attention_backend
 from tidal.model.compiled import CompiledDecode, warm_up
+from tidal.model.cpu_kernels import CpuKind, choose_compile, choose_kernels, detect_cpu
 from tidal.model.forward_batch import ForwardBatch
 from tidal.model.loader import load_model, resolve_model_path
 from tidal.model.quant import resolve_quantization
@@ -30,14 +31,7 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _cpu_has_fast_bf16() -> bool:
-    try:
-        return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
-    except AttributeError:
-        return False
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+def resolve_dtype(name: str, device: torch.device, cpu: Optional[CpuKind] = None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
     if device.type == "cuda":
@@ -47,7 +41,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     # batch 1: 67 vs 51 ms, batch 8: 130 vs 157 ms, batch 32: 283 vs 623 ms. bf16 only wins the
     # weight-bandwidth-bound batch-1 case; without native bf16 instructions its matmuls are
     # emulated and lose badly once a batch makes them compute-bound. float32 also matches HF exactly.
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
+    return torch.bfloat16 if (cpu or detect_cpu()).native_bf16 else torch.float32
 
 
 def _free_memory_bytes(device: torch.device) -> int:
@@ -67,7 +61,8 @@ class ModelRunner:
         self.args = args
         self.tp = tp or SingleRank()
         self.device = resolve_device(args.device)
-        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.cpu = detect_cpu()
+        self.dtype = resolve_dtype(args.dtype, self.device, self.cpu)
         self.page_size = args.page_size
         plan = cpu_plan or plan_member(self.tp.rank, self.tp.size, pin=False, cpu_limit=cgroup_cpu_limit())
         self.torch_threads = args.torch_threads or plan.threads
@@ -75,9 +70,13 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(args.attention_backend, self.device)
         self.quantization = resolve_quantization(args.quantization, resolve_model_path(args.model_path)[0],
                                                  args.dtype, self.device, self.tp.size)
+        self.kernels = choose_kernels(args.weight_prepack, self.device, self.dtype, self.cpu)
+        if self.tp.rank == 0:
+            self.kernels.log(self.cpu)
         self.model, self.model_config = load_model(
             args.model_path, self.dtype, self.device, self.attn_backend, args.context_length, tp=self.tp,
-            quantization=self.quantization, max_quant_tokens=args.quantized_max_tokens)
+            quantization=self.quantization, max_quant_tokens=args.quantized_max_tokens,
+            prepack=self.kernels.weight_prepack)
         self.lora = self._load_lora() if args.enable_lora else None
         # every rank must hold the same number of KV slots: the schedulers make the same decisions
         self.max_total_tokens = int(self.tp.all_gather_ints([self._pool_size()]).min())
@@ -90,7 +89,11 @@ class ModelRunner:
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
             shm_name=owned_segment_name("kv") if shm else None)  # swept if this rank dies unclean
-        self.compiled = self._compile_decode() if args.enable_torch_compile else None
+        compile_on, why = choose_compile(args.enable_torch_compile, self.device, self.tp.size, args.enable_lora,
+                                         self.attn_backend.name, bool(args.speculative_algorithm))
+        if self.tp.rank == 0:
+            logger.info("kernels: compiled decode step %s", why)
+        self.compiled = self._compile_decode() if compile_on else None
         logger.info("model %s: %s on %s, quantization %s, KV pool %d tokens%s", args.model_path, self.dtype,
                     self.device, self.quantization, self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 
