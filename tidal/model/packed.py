@@ -78,7 +78,7 @@ def prepack_model(model: nn.Module) -> int:
     Returns how many weights were packed. A tied LM head gets its own packed copy (the embedding
     table stays as it is).
     """
-    from tidal.model.quant import Int4Linear, Int8Linear
+    from tidal.model.quant import Int4Linear, Int8Linear, _replace
 
     count = 0
     for name, module in list(model.named_modules()):
@@ -90,9 +90,3 @@ def prepack_model(model: nn.Module) -> int:
             module.pack_dense()
             count += 1
     return count
-
-
-def _replace(model: nn.Module, dotted: str, new: nn.Module) -> None:
-    parent_name, _, child = dotted.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    setattr(parent, child, new)
