@@ -14,7 +14,7 @@ from tidal.model import flex_attention
 from tidal.model.attn_backend import create_attention_backend, resolve_attention_backend
 from tidal.model.forward_batch import ForwardMode
 
-ATOL = 2e-4  # float32, a different summation order
+ATOL = 5e-4  # float32 logits of ~15, summed in another order (2.8e-4 seen on an AVX2-only CPU, 8-lane sums)
 
 
 def test_auto_is_torch_and_says_why():

@@ -148,3 +148,29 @@ def test_cluster_members_run_on_disjoint_cpus():
                 assert set(p.cpu_affinity()) == cpus  # the API process and its scheduler alike
     finally:
         cluster.stop()
+
+
+def test_small_passes_run_on_one_thread_and_the_rest_on_all(monkeypatch):
+    import threading
+
+    import torch
+
+    from tidal.config import ServerArgs
+    from tidal.model.runner import PassThreads
+
+    with pytest.raises(ValueError, match="--one-thread-max-tokens"):
+        ServerArgs(one_thread_max_tokens=-1).validate()
+    seen = {}
+
+    def passes():  # in its own thread, as the overlap scheduler's forward runs: the count is per thread
+        threads = PassThreads(threads=2, one_thread_max_tokens=1)
+        for tokens in (1, 8, 1, 0):
+            threads.set_for(tokens)
+            seen.setdefault(tokens, []).append(torch.get_num_threads())
+        PassThreads(threads=2, one_thread_max_tokens=0).set_for(1)  # 0: every pass on all threads
+        seen["off"] = torch.get_num_threads()
+
+    worker = threading.Thread(target=passes)
+    worker.start()
+    worker.join(timeout=30)
+    assert seen == {1: [1, 1], 8: [2], 0: [1], "off": 2}

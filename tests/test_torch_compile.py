@@ -14,6 +14,7 @@ from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
 from tidal.bench.step import StepBench
 from tidal.config import ServerArgs, default_model_path
 from tidal.model.forward_batch import ForwardMode
+from tidal.model.packed import prepack_available
 
 PROMPT_LENS = (23, 40, 9)  # ragged on purpose: batches of 2+ carry a padding mask
 
@@ -23,6 +24,8 @@ def bench(request):
     """float32: the exact path; bfloat16 with oneDNN-prepacked weights: graph constants under inductor's
     freezing (tidal/model/compiled.py), the default on a CPU with native bfloat16."""
     dtype = request.param.split("-")[0]
+    if "prepacked" in request.param and not prepack_available(torch.bfloat16):
+        pytest.skip("oneDNN cannot reorder bfloat16 weights on this CPU (AVX2 only)")
     args = ServerArgs(model_path=default_model_path(), dtype=dtype, device="cpu", page_size=16,
                       torch_threads=1, max_total_tokens=16 * 32, enable_torch_compile=True,
                       torch_compile_max_bs=2, weight_prepack="on" if "prepacked" in request.param else "off")
@@ -103,3 +106,66 @@ def test_compiled_server_returns_the_eager_servers_tokens():
         finally:
             assert srv.stop() == 0
     assert outputs["compiled"] == outputs["eager"]
+
+
+def _inductor_error() -> Exception:
+    from torch._inductor.exc import InductorError
+
+    return InductorError(RuntimeError("C++ compile error (a test's)"), None)
+
+
+def _eager_args(**kw) -> ServerArgs:
+    return ServerArgs(model_path=default_model_path(), dtype="float32", device="cpu", page_size=16,
+                      torch_threads=1, max_total_tokens=16 * 32, torch_compile_max_bs=2, **kw)
+
+
+def _failing_warm_up(compiled, runner, context=16):
+    raise _inductor_error()
+
+
+def test_a_default_compile_that_fails_at_start_falls_back_to_eager(monkeypatch, caplog):
+    import tidal.model.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "warm_up", _failing_warm_up)
+    monkeypatch.delenv("TIDAL_TORCH_COMPILE_AUTO", raising=False)
+    with caplog.at_level("WARNING", logger="tidal.model.runner"):
+        sb = StepBench(_eager_args(), max_batch=1, context=16)  # enable_torch_compile None: the default
+    assert sb.runner.compiled is None
+    assert "did not compile" in caplog.text and "eager step" in caplog.text
+    sb.run(sb.batch(ForwardMode.EXTEND, [(0, 0, 5)]))  # serves, eager
+
+
+def test_an_asked_for_compile_that_fails_at_start_is_a_clear_error(monkeypatch):
+    import tidal.model.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "warm_up", _failing_warm_up)
+    with pytest.raises(RuntimeError, match="--enable-torch-compile: the decode step did not compile"):
+        StepBench(_eager_args(enable_torch_compile=True), max_batch=1, context=16)
+
+
+def test_a_compile_that_fails_mid_serve_turns_the_compiled_step_off_and_the_pass_runs_eager(monkeypatch, caplog):
+    import tidal.model.runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "warm_up", lambda compiled, runner, context=16: 0.0)  # nothing compiled yet
+    sb = StepBench(_eager_args(enable_torch_compile=True), max_batch=1, context=16)
+    sb.run(sb.batch(ForwardMode.EXTEND, [(0, 0, 5)]))
+    fb = sb.batch(ForwardMode.DECODE, [(0, 5, 1)])
+    compiled, sb.runner.compiled = sb.runner.compiled, None
+    eager = sb.run(fb)
+    sb.runner.compiled = compiled
+    compiled._step = lambda fb: (_ for _ in ()).throw(_inductor_error())  # a graph that does not build
+    fb.attn_metadata = None
+    with caplog.at_level("ERROR", logger="tidal.model.runner"):
+        logits = sb.run(fb)
+    assert sb.runner.compiled is None and "runs eager from now on" in caplog.text
+    torch.testing.assert_close(logits, eager)
+
+
+def test_warm_up_builds_one_graph_per_batch_class_and_thread_count():
+    from tidal.model.compiled import CompiledDecode
+
+    compiled = CompiledDecode(torch.nn.Identity(), max_bs=32, quantized_max_tokens=8)
+    assert compiled.warm_up_batch_sizes(one_thread_max_tokens=1) == [1, 2, 9]  # 1 thread | int4 | dense
+    assert compiled.warm_up_batch_sizes(one_thread_max_tokens=4) == [1, 2, 5, 9]  # int4 on 1 and on 2 threads
+    assert compiled.warm_up_batch_sizes(one_thread_max_tokens=0) == [1, 2, 9]
+    assert CompiledDecode(torch.nn.Identity(), max_bs=4, quantized_max_tokens=0).warm_up_batch_sizes(8) == [1, 2]

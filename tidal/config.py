@@ -180,6 +180,8 @@ class ServerArgs:
     # runtime
     random_seed: int = 0
     torch_threads: Optional[int] = None
+    # passes of at most this many tokens run on one torch thread (tidal/model/runner.py PassThreads)
+    one_thread_max_tokens: int = 1
     disable_cpu_pinning: bool = False
     stream_interval: int = 1
     disable_overlap_schedule: bool = False
@@ -241,6 +243,8 @@ class ServerArgs:
             raise ValueError("--tp must be >= 1")
         if self.enable_torch_compile and self.tp_size > 1:
             raise ValueError("--enable-torch-compile is not supported with --tp > 1 yet")
+        if self.one_thread_max_tokens < 0:
+            raise ValueError(f"--one-thread-max-tokens must be >= 0, got {self.one_thread_max_tokens}")
         if self.torch_compile_max_bs < 1:
             raise ValueError("--torch-compile-max-bs must be >= 1")
         if self.chunked_prefill_size != -1 and self.chunked_prefill_size < self.page_size:
@@ -441,6 +445,10 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
     a("--torch-threads", type=int, default=None,
       help="torch intra-op threads per scheduler process (default: the physical cores it may use, from its CPU "
            "affinity, SMT siblings counted once and capped by the cgroup CPU quota, divided among the --tp ranks)")
+    a("--one-thread-max-tokens", type=int, default=d.one_thread_max_tokens,
+      help="forward passes of at most this many tokens (a lone request's decode step) run on one torch thread: "
+           "waking the other threads for each of a small pass's hundreds of ops costs more than they save, and "
+           "the core they leave serves the API (0: every pass on all --torch-threads)")
     a("--disable-cpu-pinning", action="store_true",
       help="with --tp > 1, do not pin each rank to its own physical cores (default: pinned when there are at "
            "least as many cores as ranks; with fewer the ranks share all CPUs)")

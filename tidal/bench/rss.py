@@ -4,8 +4,8 @@
 
 Every --interval seconds it sums the RSS of each target's process and all its descendants (a
 tidal server's API process and scheduler ranks; vLLM's API and engine core) and keeps the peak
-and the last sample per target; it stops after --seconds, or when every target has exited, and
-prints one JSON line per target (MiB). Shared pages (a model file mapped by two processes) count
+and the last sample per target; it stops after --seconds, when every target has exited, or at
+SIGTERM / Ctrl-C, and prints one JSON line per target (MiB). Shared pages (a model file mapped by two processes) count
 once per process, as `ps` shows them.
 """
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import time
 from typing import Optional
 
@@ -47,7 +48,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     peak = {name: 0 for name in targets}
     last: dict[str, Optional[int]] = {name: None for name in targets}
     end = time.monotonic() + ns.seconds
-    while time.monotonic() < end:
+    stop = []  # SIGTERM (kill PID) ends the watch like Ctrl-C: the peaks so far are still reported
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    while time.monotonic() < end and not stop:
         alive = False
         for name, pid in targets.items():
             rss = tree_rss(pid)
@@ -57,7 +60,10 @@ def main(argv: Optional[list[str]] = None) -> None:
                 peak[name] = max(peak[name], rss)
         if not alive:
             break
-        time.sleep(ns.interval)
+        try:
+            time.sleep(ns.interval)
+        except KeyboardInterrupt:
+            break
     mib = 1 << 20
     rows = [{"target": n, "peak_rss_mib": round(peak[n] / mib, 1),
              "last_rss_mib": None if last[n] is None else round(last[n] / mib, 1)} for n in targets]

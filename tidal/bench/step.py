@@ -205,6 +205,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     a("--context", type=int, default=256, help="KV tokens per request while timing decode")
     a("--page-size", type=int, default=16, help="KV page size")
     a("--threads", type=int, default=None, help="torch threads (default: all usable cores)")
+    a("--one-thread-max-tokens", type=int, default=1,
+      help="as for tidal serve: passes of at most this many tokens run on one thread (0: all on --threads)")
     a("--warmup", type=int, default=3, help="untimed steps first")
     a("--steps", type=int, default=10, help="timed steps (the median is reported)")
     a("--profile", action="store_true", help="also group profiler time by kind of op")
@@ -225,11 +227,12 @@ def main(argv: Optional[list[str]] = None) -> None:
         kw["torch_compile_max_bs"] = max(ns.batch_sizes)
     args = ServerArgs(model_path=ns.model_path or default_model_path(), dtype=ns.dtype, device="cpu",
                       page_size=ns.page_size, torch_threads=ns.threads, weight_prepack=ns.weight_prepack,
-                      quantized_max_tokens=ns.quantized_max_tokens,
+                      quantized_max_tokens=ns.quantized_max_tokens, one_thread_max_tokens=ns.one_thread_max_tokens,
                       max_total_tokens=(max_batch * (context // ns.page_size + 6)) * ns.page_size, **kw)
     sb = StepBench(args, max_batch, context)
     sb.fill(max(ns.batch_sizes), ns.context, ns.chunk)
-    result = {"cpu_flags": cpu_flags(), "threads": torch.get_num_threads(), "dtype": str(sb.runner.dtype),
+    result = {"cpu_flags": cpu_flags(), "threads": sb.runner.torch_threads,
+              "one_thread_max_tokens": ns.one_thread_max_tokens, "dtype": str(sb.runner.dtype),
               "weight_prepack": sb.runner.kernels.weight_prepack,
               "decode": []}
     for b in ns.batch_sizes:

@@ -10,13 +10,20 @@ Shapes are dynamic (batch and context length are symbols), so a server compiles 
 graphs at start-up, not one per (batch, length): batch 1 (torch specialises size 1), batches
 2..quantized-max-tokens (int4 kernels) and larger ones up to max_bs (dense weights). Every
 batch of two or more requests carries a padding mask, so uniform and ragged batches share a
-graph. The graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR), so a restart with
+graph. The thread count is part of a graph's key (a dynamo guard), so where passes of up to
+`--one-thread-max-tokens` tokens run on one thread the warm-up compiles those graphs on one thread
+too. The graphs are cached on disk by inductor (TORCHINDUCTOR_CACHE_DIR), so a restart with
 the same model and flags compiles much faster than the first start (tidal keeps that cache under
 ~/.cache/tidal/inductor unless TORCHINDUCTOR_CACHE_DIR says otherwise).
 
 The graphs compile with inductor's freezing on: weights are constants of the graph, so oneDNN
 prepacked weights (tidal/model/packed.py) run inside it and plain bfloat16 ones get prepacked by
 inductor. On by default where it runs (tidal/model/cpu_kernels.py `choose_compile`).
+
+A compile that fails is never a crash mid-serve: at start (the warm-up) the runner stops with a clear
+error when the compile was asked for and falls back to the eager step with a warning when it was
+the default; a later compile that fails (a graph the warm-up did not build) turns the compiled step
+off for the server's life and that pass runs eager (its K/V are rewritten into the same slots).
 """
 
 from __future__ import annotations
@@ -29,6 +36,12 @@ import torch
 from tidal.model.forward_batch import ForwardBatch, ForwardMode
 
 logger = logging.getLogger(__name__)
+
+
+# freezing: see CompiledDecode. cpp.dynamic_threads: the generated loops ask OpenMP for the thread
+# count at each call (else it is fixed when compiled, unless it equals os.cpu_count()), so a small
+# pass's one thread (tidal/model/runner.py PassThreads) holds inside the graph too.
+INDUCTOR_CONFIG = {"freezing": True, "cpp.dynamic_threads": True}
 
 
 class _DecodeLogits(torch.nn.Module):
@@ -63,15 +76,24 @@ class CompiledDecode:
 
     def __call__(self, fb: ForwardBatch) -> torch.Tensor:
         """float32 logits [B, V], one row per request (a decode pass's every row)."""
-        with torch._inductor.config.patch(freezing=True):
+        with torch._inductor.config.patch(INDUCTOR_CONFIG):
             return self._step(fb)
 
-    def warm_up_batch_sizes(self) -> list[int]:
-        """One batch size per graph the server will need (see the module docstring)."""
-        sizes = [1, 2]
-        if self.quantized_max_tokens and self.quantized_max_tokens + 1 <= self.max_bs:
+    def warm_up_batch_sizes(self, one_thread_max_tokens: int = 0) -> list[int]:
+        """One batch size per graph the server will need (see the module docstring); passes of at most
+        one_thread_max_tokens run on one thread, and the thread count is part of a graph's key."""
+        sizes = [1, 2, one_thread_max_tokens + 1]
+        if self.quantized_max_tokens:
             sizes.append(self.quantized_max_tokens + 1)
         return sorted({b for b in sizes if b <= self.max_bs})
+
+
+def compile_failure(exc: BaseException) -> bool:
+    """True for the errors torch.compile raises when a graph cannot be built (dynamo, inductor, the C++ build)."""
+    import torch._dynamo.exc
+    import torch._inductor.exc
+
+    return isinstance(exc, (torch._dynamo.exc.TorchDynamoException, torch._inductor.exc.CppCompileError))
 
 
 def warm_up(compiled: CompiledDecode, runner, context: int = 16) -> float:
@@ -82,15 +104,20 @@ def warm_up(compiled: CompiledDecode, runner, context: int = 16) -> float:
     """
     t0 = time.perf_counter()
     dev = runner.kv_pool.device
-    for bs in compiled.warm_up_batch_sizes():
+    for bs in compiled.warm_up_batch_sizes(runner.pass_threads.one_thread_max_tokens):
         # ragged lengths for bs > 1: the masked graph, as live batches mostly are
         lens = [context - (i % 2) for i in range(bs)]
         fb = dummy_decode_batch(runner, lens, dev)
         t1 = time.perf_counter()
         with torch.inference_mode():
+            # the thread count is one of dynamo's guards: compile each graph under the count its
+            # passes run with (tidal/model/runner.py PassThreads), or the first live pass recompiles
+            runner.pass_threads.set_for(bs)
             runner.attn_backend.init_forward_metadata(fb)
             compiled(fb)
-        logger.info("torch.compile: decode graph for batch %d ready in %.1f s", bs, time.perf_counter() - t1)
+        logger.info("torch.compile: decode graph for batch %d (%d torch thread%s) ready in %.1f s", bs,
+                    torch.get_num_threads(), "" if torch.get_num_threads() == 1 else "s", time.perf_counter() - t1)
+    runner.pass_threads.set_for(runner.pass_threads.one_thread_max_tokens + 1)
     return time.perf_counter() - t0
 
 

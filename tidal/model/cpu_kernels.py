@@ -85,27 +85,30 @@ def choose_kernels(prepack: str, device: torch.device, dtype: torch.dtype, cpu: 
     if prepack not in WEIGHT_PREPACK:
         raise ValueError(f"--weight-prepack must be one of {WEIGHT_PREPACK}, not {prepack!r}")
     if prepack == "on":
+        dtype_name = str(dtype).removeprefix("torch.")
         why_not = ("it packs CPU weights only" if device.type != "cpu" else
-                   "this torch has no oneDNN linear ops" if not prepack_available() else None)
+                   "this torch has no oneDNN linear ops" if not prepack_available() else
+                   f"oneDNN cannot reorder {dtype_name} weights on this CPU ({cpu.describe()})"
+                   if not prepack_available(dtype) else None)
         if why_not:
             raise ValueError(f"--weight-prepack on: {why_not}")
         packed, why = True, "asked for (--weight-prepack on)"
     elif prepack == "off":
         packed, why = False, "off (--weight-prepack off)"
     else:
-        packed, why = _auto_prepack(device, dtype, cpu, prepack_available())
+        packed, why = _auto_prepack(device, dtype, cpu, prepack_available(dtype))
     return KernelChoice(packed, why)
 
 
 def _auto_prepack(device: torch.device, dtype: torch.dtype, cpu: CpuKind, available: bool) -> tuple[bool, str]:
     if device.type != "cpu":
         return False, f"the model runs on {device.type}"
-    if not available:
-        return False, "this torch has no oneDNN linear ops"
     if dtype != torch.bfloat16:
         return False, f"the model runs in {str(dtype).removeprefix('torch.')} (prepacking is measured to pay in bfloat16)"
     if not cpu.native_bf16:
         return False, "this CPU has no native bfloat16 (no AMX, no AVX512-BF16)"
+    if not available:
+        return False, "this torch or CPU cannot reorder bfloat16 weights for oneDNN"
     return True, f"{cpu.isa} with native bfloat16: oneDNN's prepacked bfloat16 matmuls"
 
 

@@ -18,15 +18,32 @@ from __future__ import annotations
 
 from typing import Optional
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def prepack_available() -> bool:
-    """This torch has oneDNN and the mkldnn linear ops."""
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
+def prepack_available(dtype: torch.dtype = torch.float32) -> bool:
+    """This torch has oneDNN and the mkldnn linear ops, and this CPU can reorder `dtype` weights.
+
+    oneDNN reorders bfloat16 weights only with AVX512BW/VL/DQ or AVX-NE-CONVERT (an AVX2-only CPU
+    cannot); that is probed, once per dtype, not inferred from the CPU's name.
+    """
+    if not (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and hasattr(torch.ops.mkldnn, "_linear_pointwise")):
+        return False
+    return _reorders(dtype)
+
+
+@functools.cache
+def _reorders(dtype: torch.dtype) -> bool:
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(16, 16, dtype=dtype), 1)
+    except RuntimeError:
+        return False
+    return True
 
 
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ from tidal.config import ServerArgs
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.attn_backend import create_attention_backend
-from tidal.model.compiled import CompiledDecode, warm_up
+from tidal.model.compiled import CompiledDecode, compile_failure, warm_up
 from tidal.model.cpu_kernels import CpuKind, choose_compile, choose_kernels, detect_cpu
 from tidal.model.forward_batch import ForwardBatch
 from tidal.model.loader import load_model, resolve_model_path
@@ -53,6 +53,30 @@ def _free_memory_bytes(device: torch.device) -> int:
     return int(psutil.virtual_memory().available)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]
+
+
+class PassThreads:
+    """The torch threads each forward pass runs on: one for a pass of at most `one_thread_max_tokens`
+    tokens, else all `threads`.
+
+    A small pass is hundreds of short ops; each wakes the sleeping OpenMP workers (tidal runs them
+    passive: spinning ones take the core from the API process) and waits for them, which costs more
+    than their share of the work (docs/benchmarks.md section 29). Set in the thread that runs the
+    pass: OpenMP's thread count is per calling thread.
+    """
+
+    def __init__(self, threads: int, one_thread_max_tokens: int):
+        self.threads, self.one_thread_max_tokens = threads, one_thread_max_tokens
+
+    def set_for(self, num_tokens: int) -> None:
+        want = 1 if num_tokens <= self.one_thread_max_tokens else self.threads
+        if torch.get_num_threads() != want:
+            torch.set_num_threads(want)
+
+
 class ModelRunner:
     def __init__(self, args: ServerArgs, tp=None, cpu_plan: Optional[CpuPlan] = None):
         """cpu_plan: this rank's share of the CPUs (default: computed here, without pinning)."""
@@ -67,6 +91,8 @@ class ModelRunner:
         plan = cpu_plan or plan_member(self.tp.rank, self.tp.size, pin=False, cpu_limit=cgroup_cpu_limit())
         self.torch_threads = args.torch_threads or plan.threads
         torch.set_num_threads(self.torch_threads)
+        self.pass_threads = PassThreads(self.torch_threads,
+                                        args.one_thread_max_tokens if self.device.type == "cpu" else 0)
         self.attn_backend = create_attention_backend(args.attention_backend, self.device)
         self.quantization = resolve_quantization(args.quantization, resolve_model_path(args.model_path)[0],
                                                  args.dtype, self.device, self.tp.size)
@@ -93,7 +119,7 @@ class ModelRunner:
                                          self.attn_backend.name, bool(args.speculative_algorithm))
         if self.tp.rank == 0:
             logger.info("kernels: compiled decode step %s", why)
-        self.compiled = self._compile_decode() if compile_on else None
+        self.compiled = self._compile_decode(asked=args.enable_torch_compile is True) if compile_on else None
         logger.info("model %s: %s on %s, quantization %s, KV pool %d tokens%s", args.model_path, self.dtype,
                     self.device, self.quantization, self.max_total_tokens, f", TP rank {self.tp.rank}/{self.tp.size}" if self.tp.size > 1 else "")
 
@@ -102,15 +128,40 @@ class ModelRunner:
 
         return LoRAManager.from_args(self.args, self.model, self.dtype, self.device)
 
-    def _compile_decode(self) -> CompiledDecode:
+    def _compile_decode(self, asked: bool) -> Optional[CompiledDecode]:
+        """The compiled step, warmed up; None (eager, with a warning) when the default's compile fails."""
         compiled = CompiledDecode(self.model, self.args.torch_compile_max_bs,
                                   self.args.quantized_max_tokens if self.quantization != "none" else 0)
         self.attn_backend.mask_every_batch = True
         logger.info("torch.compile: compiling the decode step for batches of up to %d requests "
                     "(minutes on a small CPU the first time; cached on disk after)", compiled.max_bs)
-        seconds = warm_up(compiled, self)
+        try:
+            seconds = warm_up(compiled, self)
+        except Exception as e:
+            if not compile_failure(e):
+                raise
+            self.attn_backend.mask_every_batch = False
+            if asked:
+                raise RuntimeError(f"--enable-torch-compile: the decode step did not compile ({_first_line(e)}); "
+                                   "serve without it (--disable-torch-compile)") from e
+            logger.warning("torch.compile: the decode step did not compile (%s); serving with the eager step "
+                           "(--disable-torch-compile skips the attempt)", _first_line(e))
+            return None
         logger.info("torch.compile: decode step compiled in %.1f s", seconds)
         return compiled
+
+    def _compiled_logits(self, fb: ForwardBatch) -> Optional[torch.Tensor]:
+        """The compiled step's logits, or None when its compile fails (the step is then off for good)."""
+        try:
+            return self.compiled(fb)
+        except Exception as e:
+            if not compile_failure(e):
+                raise
+            logger.error("torch.compile: a decode graph for batch %d did not compile (%s); the decode step "
+                         "runs eager from now on", fb.batch_size, _first_line(e))
+            self.compiled = None
+            self.attn_backend.mask_every_batch = False
+            return None
 
     def _pool_size(self) -> int:
         cfg = self.model_config
@@ -133,15 +184,19 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch, logit_rows: torch.Tensor) -> torch.Tensor:
         """Runs the pass (storing the new tokens' KV) and returns float32 logits [N, V] of rows logit_rows of T."""
         with torch.inference_mode():
+            self.pass_threads.set_for(fb.input_ids.shape[0])
             self._prepare(fb)
             if self.compiled is not None and self.compiled.takes(fb):
-                return self.compiled(fb)[logit_rows]
+                logits = self._compiled_logits(fb)
+                if logits is not None:
+                    return logits[logit_rows]
             hidden = self.model(fb)  # [T, hidden]
             return self.model.compute_logits(hidden[logit_rows])
 
     def forward_with_hidden(self, fb: ForwardBatch, logit_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """forward, eager, also returning every row's hidden state [T, hidden] (the final norm's output)."""
         with torch.inference_mode():
+            self.pass_threads.set_for(fb.input_ids.shape[0])
             self._prepare(fb)
             hidden = self.model(fb)
             return self.model.compute_logits(hidden[logit_rows]), hidden
