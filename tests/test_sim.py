@@ -1016,7 +1016,7 @@ def test_the_recent_forecast_replays_the_last_horizon_of_arrivals_in_a_copy():
 
 
 def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
-    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "120", "--phase-s", "30", "--length-scale",
+    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "60", "--phase-s", "15", "--length-scale",
              "0.25", "--ttft-slo-ms", "8000", "--tpot-slo-ms", "200"]
     d = sim_json(tmp_path, "look", *flags, "--lookahead", "--lookahead-splits", "1,2,3", "--rate-scale", "3")
     assert d["config"]["planner"] == "lookahead" and d["lookahead"] and d["moves"]
@@ -1036,7 +1036,7 @@ def test_cli_lookahead_run_and_goodput(tmp_path, capsys):
 
 
 def test_a_costly_lookahead_is_warned_of(tmp_path, capsys):
-    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "20", "--phase-s", "10", "--rate-scale", "1"]
+    flags = ["--instances", "4", "--workload", "shift", "--duration-s", "4", "--phase-s", "2", "--rate-scale", "1"]
     sim_json(tmp_path, "costly", *flags, "--lookahead", "--lookahead-interval-s", "1", "--lookahead-horizon-s", "40")
     assert "the lookahead simulates each virtual second ~120 times (--lookahead-horizon-s 40 / " \
            "--lookahead-interval-s 1 x 3 splits)" in capsys.readouterr().err

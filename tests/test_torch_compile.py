@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_fixtures import one_thread  # noqa: F401  (autouse fixture)
+from tiny_models import tiny_hf_dir
 
 from tidal.bench.step import StepBench
 from tidal.config import ServerArgs, default_model_path
@@ -20,13 +21,16 @@ PROMPT_LENS = (23, 40, 9)  # ragged on purpose: batches of 2+ carry a padding ma
 
 
 @pytest.fixture(scope="module", params=["float32", "bfloat16-prepacked"])
-def bench(request):
+def bench(request, tmp_path_factory):
     """float32: the exact path; bfloat16 with oneDNN-prepacked weights: graph constants under inductor's
-    freezing (tidal/model/compiled.py), the default on a CPU with native bfloat16."""
+    freezing (tidal/model/compiled.py), the default on a CPU with native bfloat16. A tiny Llama (3 layers,
+    hidden 128): the graphs are the real model's, minutes of compiling fewer."""
     dtype = request.param.split("-")[0]
     if "prepacked" in request.param and not prepack_available(torch.bfloat16):
         pytest.skip("oneDNN cannot reorder bfloat16 weights on this CPU (AVX2 only)")
-    args = ServerArgs(model_path=default_model_path(), dtype=dtype, device="cpu", page_size=16,
+    path = tiny_hf_dir(tmp_path_factory.mktemp("tiny-llama"), "LlamaConfig", num_hidden_layers=3,
+                       hidden_size=128, intermediate_size=256, vocab_size=512)
+    args = ServerArgs(model_path=path, dtype=dtype, device="cpu", page_size=16,
                       torch_threads=1, max_total_tokens=16 * 32, enable_torch_compile=True,
                       torch_compile_max_bs=2, weight_prepack="on" if "prepacked" in request.param else "off")
     sb = StepBench(args, max_batch=len(PROMPT_LENS), context=64)

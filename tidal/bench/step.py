@@ -76,10 +76,11 @@ class StepBench:
     def batch(self, mode: ForwardMode, reqs: list[tuple[int, int, int]]) -> ForwardBatch:
         """reqs: (req row, prefix length, new tokens) per request."""
         ids, pos, loc = [], [], []
+        vocab = self.runner.model_config.vocab_size
         for r, pre, new in reqs:
             slots = self._slots(r, pre, pre + new)
             self.req_to_token[r, pre:pre + new] = torch.tensor(slots, device=self.dev)
-            ids += [random.randrange(1000, 20000) for _ in range(new)]
+            ids += [random.randrange(vocab // 20, vocab // 2) for _ in range(new)]
             pos += range(pre, pre + new)
             loc += slots
         pre = [p for _, p, _ in reqs]

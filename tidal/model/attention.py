@@ -24,6 +24,11 @@ short extends on cached prefixes (speculative verification: each request's last 
 its few guesses) is batched like DECODE instead, E query rows per request over the padded
 slot table with a [B, 1, E, L] causal mask (`ShortExtend`), since a loop of B small
 attention calls per layer cost more than the padding.
+
+Sliding-window layers (`layer_windows`, set by the model) get their own metadata per window,
+built the same way over fewer keys: a request's keys start at the oldest position its first
+query sees (decode: its last W positions, unmasked once every request has W), and the masks add
+`key > query - W`. A fresh prompt longer than its window needs an explicit mask, not is_causal.
 """
 
 from __future__ import annotations
@@ -67,6 +72,22 @@ class ShortExtend:
 SHORT_EXTEND_MAX = 8
 
 
+def _key_slots(fb: ForwardBatch, firsts: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Request b's keys are positions [firsts[b], seq_len_b): their slots [B, L] (padding -> slot 0, the
+    dummy page), positions [B, L] and validity [B, L], L the most keys of a request."""
+    dev = fb.req_to_token.device
+    n_keys = max(n - f for n, f in zip(fb.seq_lens_cpu, firsts))
+    first = torch.tensor(firsts, dtype=torch.int64, device=dev)
+    pos = first[:, None] + torch.arange(n_keys, device=dev)[None, :]
+    valid = pos < fb.seq_lens[:, None]
+    if not any(firsts):
+        slots = fb.req_to_token[fb.req_pool_indices, :n_keys]
+    else:
+        col = pos.clamp(max=fb.req_to_token.shape[1] - 1)
+        slots = fb.req_to_token[fb.req_pool_indices[:, None], col]
+    return torch.where(valid, slots, torch.zeros_like(slots)), pos, valid
+
+
 @dataclass
 class TorchNativeMetadata:
     kv_index: Optional[torch.Tensor] = None  # DECODE: [B, L] KV slots, padding -> 0
@@ -74,6 +95,8 @@ class TorchNativeMetadata:
     bag: Optional[BagDecode] = None  # DECODE: set when this pass takes the "bag" path
     segments: list[ExtendSegment] = field(default_factory=list)  # EXTEND: one per request
     short: Optional[ShortExtend] = None  # EXTEND of short runs on cached prefixes, batched
+    # the metadata of the sliding-window layers, per window (the fields above serve full attention)
+    windowed: dict[int, "TorchNativeMetadata"] = field(default_factory=dict)
 
 
 DECODE_PATHS = ("auto", "sdpa", "bag")
@@ -104,14 +127,20 @@ class TorchNativeAttnBackend:
         # graph serves both (set by --enable-torch-compile)
         self.mask_every_batch = False
         self._ws: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        # per layer, its sliding window or None (set by the model; empty: every layer full)
+        self.layer_windows: list[Optional[int]] = []
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
+        meta = self._metadata(fb, None)
+        meta.windowed = {w: self._metadata(fb, w) for w in set(self.layer_windows) if w is not None}
+        fb.attn_metadata = meta
+
+    def _metadata(self, fb: ForwardBatch, window: Optional[int]) -> TorchNativeMetadata:
         if fb.forward_mode == ForwardMode.DECODE:
-            fb.attn_metadata = self._decode_metadata(fb)
-        elif self._is_short_extend(fb):
-            fb.attn_metadata = TorchNativeMetadata(short=self._short_metadata(fb))
-        else:
-            fb.attn_metadata = self._extend_metadata(fb)
+            return self._decode_metadata(fb, window)
+        if self._is_short_extend(fb):
+            return TorchNativeMetadata(short=self._short_metadata(fb, window))
+        return self._extend_metadata(fb, window)
 
     @staticmethod
     def _is_short_extend(fb: ForwardBatch) -> bool:
@@ -119,34 +148,37 @@ class TorchNativeAttnBackend:
                 and min(fb.extend_prefix_lens_cpu) > 0)
 
     @staticmethod
-    def _short_metadata(fb: ForwardBatch) -> ShortExtend:
+    def _short_metadata(fb: ForwardBatch, window: Optional[int]) -> ShortExtend:
         dev = fb.req_to_token.device
         ext, prefix = fb.extend_seq_lens, fb.extend_prefix_lens
-        e, max_len = max(fb.extend_seq_lens_cpu), max(fb.seq_lens_cpu)
-        slots = fb.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
-        keys = torch.arange(max_len, device=dev)
-        valid = keys[None, :] < fb.seq_lens[:, None]
+        e = max(fb.extend_seq_lens_cpu)
+        # the keys of request b: positions [first_b, seq_len_b), the first query's window on
+        firsts = [0 if window is None else max(0, p + 1 - window) for p in fb.extend_prefix_lens_cpu]
+        slots, pos, valid = _key_slots(fb, firsts)  # [B, L]
         rows = torch.arange(e, device=dev)
-        mask = keys[None, None, :] <= (prefix[:, None] + rows[None, :])[:, :, None]  # [B, E, L]
+        q_pos = (prefix[:, None] + rows[None, :])[:, :, None]  # [B, E, 1]
+        mask = pos[:, None, :] <= q_pos  # [B, E, L]
+        if window is not None:
+            mask &= pos[:, None, :] > q_pos - window
         mask &= valid[:, None, :]
         starts = torch.cumsum(ext, 0) - ext  # each request's first flat token
         in_run = rows[None, :] < ext[:, None]  # [B, E]
         q_index = torch.where(in_run, starts[:, None] + rows[None, :], starts[:, None])
         out_rows = (torch.arange(fb.batch_size, device=dev)[:, None] * e + rows[None, :])[in_run]
-        return ShortExtend(torch.where(valid, slots, torch.zeros_like(slots)), mask[:, None], q_index, out_rows)
+        return ShortExtend(slots, mask[:, None], q_index, out_rows)
 
-    def _decode_metadata(self, fb: ForwardBatch) -> TorchNativeMetadata:
-        max_len = max(fb.seq_lens_cpu)
-        dev = fb.req_to_token.device
-        slots = fb.req_to_token[fb.req_pool_indices, :max_len]  # [B, L]
-        uniform = min(fb.seq_lens_cpu) == max_len
-        if uniform and not (self.mask_every_batch and fb.batch_size > 1):
-            meta = TorchNativeMetadata(kv_index=slots)
+    def _decode_metadata(self, fb: ForwardBatch, window: Optional[int]) -> TorchNativeMetadata:
+        """Each request's keys: its whole KV, or its last `window` positions (the order of keys is free)."""
+        seen = fb.seq_lens_cpu if window is None else [min(n, window) for n in fb.seq_lens_cpu]
+        uniform = min(seen) == max(seen)
+        if window is None and uniform and not (self.mask_every_batch and fb.batch_size > 1):
+            meta = TorchNativeMetadata(kv_index=fb.req_to_token[fb.req_pool_indices, :max(seen)])  # [B, L]
         else:
-            valid = torch.arange(max_len, device=dev)[None, :] < fb.seq_lens[:, None]  # [B, L]
-            kv_index = torch.where(valid, slots, torch.zeros_like(slots))
-            meta = TorchNativeMetadata(kv_index=kv_index, mask=valid[:, None, None, :])  # [B, 1, 1, L]
-        if self._takes_bag_path(fb, meta.kv_index.numel()):
+            firsts = [n - k for n, k in zip(fb.seq_lens_cpu, seen)]
+            kv_index, _pos, valid = _key_slots(fb, firsts)
+            masked = not uniform or (self.mask_every_batch and fb.batch_size > 1)
+            meta = TorchNativeMetadata(kv_index=kv_index, mask=valid[:, None, None, :] if masked else None)
+        if window is None and self._takes_bag_path(fb, meta.kv_index.numel()):
             meta.bag = self._bag_metadata(fb, meta)
         return meta
 
@@ -180,18 +212,23 @@ class TorchNativeAttnBackend:
         bag.v_offsets = torch.arange(0, (n_bags + 1) * max_len, max_len, device=kv_index.device)
 
     @staticmethod
-    def _extend_metadata(fb: ForwardBatch) -> TorchNativeMetadata:
+    def _extend_metadata(fb: ForwardBatch, window: Optional[int]) -> TorchNativeMetadata:
         dev = fb.req_to_token.device
         pool_rows = fb.req_pool_indices.tolist()
         segments, start = [], 0
         for row, prefix, ext in zip(pool_rows, fb.extend_prefix_lens_cpu, fb.extend_seq_lens_cpu):
             seg = ExtendSegment(start, start + ext)
-            if prefix > 0:
-                seq_len = prefix + ext
-                seg.kv_index = fb.req_to_token[row, :seq_len]
-                # new token i sits at position prefix + i and sees keys j <= prefix + i
-                rows = torch.arange(prefix, seq_len, device=dev)
-                seg.mask = torch.arange(seq_len, device=dev)[None, :] <= rows[:, None]  # [ext, seq_len]
+            seq_len = prefix + ext
+            first = 0 if window is None else max(0, prefix + 1 - window)  # the first query's oldest key
+            if prefix > 0 or (window is not None and ext > window):
+                # new token i sits at position prefix + i and sees keys j <= prefix + i (and j > prefix + i - W)
+                q_pos = torch.arange(prefix, seq_len, device=dev)[:, None]
+                k_pos = torch.arange(first, seq_len, device=dev)[None, :]
+                seg.mask = k_pos <= q_pos  # [ext, seq_len - first]
+                if window is not None:
+                    seg.mask &= k_pos > q_pos - window
+                if prefix > 0:  # else the keys are the pass's own new k/v
+                    seg.kv_index = fb.req_to_token[row, first:seq_len]
             segments.append(seg)
             start += ext
         return TorchNativeMetadata(segments=segments)
@@ -201,6 +238,8 @@ class TorchNativeAttnBackend:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]; stores k/v at fb.out_cache_loc first."""
         fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta: TorchNativeMetadata = fb.attn_metadata
+        if self.layer_windows and self.layer_windows[layer_id] is not None:
+            meta = meta.windowed[self.layer_windows[layer_id]]
         if fb.forward_mode == ForwardMode.DECODE:
             return self._decode(q, layer_id, fb, meta)
         if meta.short is not None:
@@ -299,7 +338,8 @@ class TorchNativeAttnBackend:
             if seg.kv_index is None:
                 ks = k[seg.start:seg.end].transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, ext, D]
                 vs = v[seg.start:seg.end].transpose(0, 1)[None].to(q.dtype)
-                o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+                o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=seg.mask, is_causal=seg.mask is None,
+                                                   enable_gqa=gqa)
             else:
                 kc, vc = self._gather(layer_id, fb, seg.kv_index)  # [seq_len, Hkv, D]
                 ks = kc.transpose(0, 1)[None].to(q.dtype)  # [1, Hkv, seq_len, D]

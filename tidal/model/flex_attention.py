@@ -9,8 +9,9 @@ query's position. One call serves every kind of pass the same way: a fresh promp
 cached prefix, a chunk of a chunked prefill, several of these at once, decode, and speculative
 verification (a short extend); the new tokens' K/V are stored first and read back from the pool
 like the rest. Queries are laid out [B, H, Q, D], Q the longest extend of the pass; rows past a
-request's extend repeat its first row's position and are dropped. Sliding windows or encoder
-inputs are other mask_mods over the same logical positions.
+request's extend repeat its first row's position and are dropped. A sliding-window layer's block
+mask adds `key position > query position - W` to the same mask_mod (one block mask per window);
+encoder inputs would be another mask_mod over the same logical positions.
 
 `compile`: the call goes through torch.compile (FlexAttention's fused kernels; without it torch
 evaluates the mask densely, which serves tests and small pools only).
@@ -18,7 +19,7 @@ evaluates the mask densely, which serves tests and small pools only).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -51,6 +52,7 @@ class FlexMetadata:
     block_mask: object  # torch.nn.attention.flex_attention.BlockMask
     q_index: torch.Tensor  # [B, Q] flat token of each query row (padding rows -> the request's first)
     out_rows: torch.Tensor  # [T] row of [B * Q] that holds each flat token's output
+    windowed: dict[int, "FlexMetadata"] = field(default_factory=dict)  # the sliding-window layers', per window
 
 
 class FlexAttnBackend:
@@ -64,6 +66,7 @@ class FlexAttnBackend:
             torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, COMPILED_SHAPES)
         self._flex: Callable = torch.compile(flex_attention, dynamic=False) if compile else flex_attention
         self.mask_every_batch = False  # the torch backend's compiled-decode knob; nothing to do here
+        self.layer_windows: list[Optional[int]] = []  # per layer, its sliding window (set by the model)
 
     def use_eager(self) -> None:
         """FlexAttention without torch.compile (the mask evaluated densely): exact, for tests and small pools."""
@@ -73,7 +76,9 @@ class FlexAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         self._zero_once(fb.kv_pool)
-        fb.attn_metadata = self._metadata(fb)
+        meta = self._metadata(fb, None)
+        meta.windowed = {w: self._metadata(fb, w) for w in set(self.layer_windows) if w is not None}
+        fb.attn_metadata = meta
 
     def _zero_once(self, pool) -> None:
         """FlexAttention multiplies the masked slots of a page too (by a weight of 0): a slot never written
@@ -84,7 +89,7 @@ class FlexAttnBackend:
             buf.zero_()
         pool.zeroed_for_flex = True
 
-    def _metadata(self, fb: ForwardBatch) -> FlexMetadata:
+    def _metadata(self, fb: ForwardBatch, window: Optional[int]) -> FlexMetadata:
         from torch.nn.attention.flex_attention import BlockMask
 
         pool = fb.kv_pool
@@ -119,7 +124,10 @@ class FlexAttnBackend:
         def mask_mod(b, h, q_idx, kv_idx):
             page = to_logical[b, kv_idx // ps]
             pos = page * ps + kv_idx % ps
-            return (page >= 0) & (pos <= q_pos[b, q_idx])
+            seen = (page >= 0) & (pos <= q_pos[b, q_idx])
+            if window is not None:
+                seen = seen & (pos > q_pos[b, q_idx] - window)
+            return seen
 
         q_blocks = -(-q_len // Q_BLOCK)
         kv_num = pages_used.to(torch.int32)[:, None, None].expand(bs, 1, q_blocks).contiguous()
@@ -137,6 +145,8 @@ class FlexAttnBackend:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]; stores k/v at fb.out_cache_loc first."""
         fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta: FlexMetadata = fb.attn_metadata
+        if self.layer_windows and self.layer_windows[layer_id] is not None:
+            meta = meta.windowed[self.layer_windows[layer_id]]
         n_tok, n_heads, head_dim = q.shape
         bs, q_len = meta.q_index.shape
         kbuf, vbuf = fb.kv_pool.get_k(layer_id), fb.kv_pool.get_v(layer_id)

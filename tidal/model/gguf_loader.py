@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Iterator, Optional
 
@@ -39,6 +40,52 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
 # llama.cpp's converter permutes q/k rows of these archs into its interleaved RoPE layout
 _PERMUTED_ARCHS = ("llama", "mistral")
+
+
+# arrays of at least this many elements are left unread by open_gguf (the vocabulary, merges, scores)
+BIG_ARRAY = 256
+
+
+def open_gguf(path: str) -> Any:
+    """A gguf.GGUFReader of `path` that leaves big metadata arrays unread (their contents() is []).
+
+    gguf's reader parses every array element by element through numpy memmap views: the 49k-token
+    vocabulary, merges and scores of a small model took 4.5 s of each server start on a 2-core AVX2
+    machine, and the model needs none of them (the tokenizer is built by transformers and cached).
+    A reader that cannot take the shortcut (another gguf version) is the plain one.
+    """
+    from gguf import GGUFReader
+
+    try:
+        return _metadata_reader_class()(path)
+    except Exception:  # noqa: BLE001 - gguf's private layout changed: read it the slow way
+        return GGUFReader(path)
+
+
+@functools.cache
+def _metadata_reader_class() -> type:
+    from gguf import GGUFReader, GGUFValueType
+
+    class MetadataReader(GGUFReader):
+        def _get_field_parts(self, orig_offs: int, raw_type: int):  # gguf's own signature
+            if raw_type != GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            raw_itype = self._get(orig_offs, np.uint32)
+            alen = self._get(orig_offs + 4, np.uint64)
+            n, itype = int(alen[0]), GGUFValueType(int(raw_itype[0]))
+            if n < BIG_ARRAY or itype == GGUFValueType.ARRAY:
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs = orig_offs + 12
+            if itype == GGUFValueType.STRING:
+                raw = memoryview(np.asarray(self.data))
+                order = "little" if self.byte_order == "I" else "big"
+                for _ in range(n):  # uint64 length, then the bytes
+                    offs += 8 + int.from_bytes(raw[offs:offs + 8], order)
+            else:
+                offs += n * np.dtype(self.gguf_scalar_to_np[itype]).itemsize
+            return offs - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
+
+    return MetadataReader
 
 
 def read_metadata(reader: Any) -> dict[str, Any]:
@@ -130,9 +177,7 @@ def load_gguf(path: str, int4_out: Optional[dict[str, Int4Weight]] = None
     With `int4_out`, iterating also stores there, by HF name, the exact int4 form of every
     Q4_0/Q4_1 weight (see tidal/model/quant.py).
     """
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
+    reader = open_gguf(path)
     meta = read_metadata(reader)
     tensors = {t.name: t for t in reader.tensors}
     config = config_from_gguf(meta, set(tensors))
@@ -145,7 +190,5 @@ def load_gguf(path: str, int4_out: Optional[dict[str, Int4Weight]] = None
 
 
 def read_gguf_chat_template(path: str) -> str | None:
-    from gguf import GGUFReader
-
-    f = GGUFReader(path).fields.get("tokenizer.chat_template")
+    f = open_gguf(path).fields.get("tokenizer.chat_template")
     return None if f is None else f.contents()

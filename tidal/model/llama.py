@@ -1,9 +1,15 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM) over a flat ragged ForwardBatch."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, SmolLM, Gemma 3) over a flat ragged ForwardBatch.
+
+Gemma 3 is this decoder with a few switches (ModelConfig): scaled embeddings, norm weights stored as
+offsets from 1 (folded at load), norms on the attention and MLP outputs (GemmaDecoderLayer), a tanh
+GELU, an attention scale of its own, and a local RoPE for its sliding-window layers.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Iterable, Optional
+from typing import Callable, Iterable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -127,10 +133,19 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+ACT_FNS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"silu": F.silu, "gelu_pytorch_tanh": _gelu_tanh}
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttnBackend, shard: ModelShard, tp):
         super().__init__()
         self.layer_id = layer_id
+        # the backends scale scores by head_dim ** -0.5: a model with its own scale pre-scales q
+        self.q_scale = 1.0 if config.attn_scale is None else config.attn_scale * config.head_dim ** 0.5
         self.n_heads, self.n_kv, self.head_dim = shard.num_heads, shard.num_kv_heads, config.head_dim
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.tp = [tp]
@@ -152,6 +167,8 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(qkv[:, :self.q_size].view(n_tok, self.n_heads, self.head_dim))
             k = self.k_norm(qkv[:, self.q_size:self.q_size + self.kv_size].view(n_tok, self.n_kv, self.head_dim))
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        if self.q_scale != 1.0:
+            q = q * self.q_scale
         out = self.backend[0].forward(q, k, v, self.layer_id, fb)  # [T, H*D]
         return row_parallel(self.o_proj, out, self.tp[0])
 
@@ -163,10 +180,11 @@ class LlamaMLP(nn.Module):
         self.tp = [tp]
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * self.inter, bias=False)
         self.down_proj = nn.Linear(self.inter, config.hidden_size, bias=False)
+        self.act = ACT_FNS[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.inter, dim=-1)
-        return row_parallel(self.down_proj, F.silu(gate) * up, self.tp[0])
+        return row_parallel(self.down_proj, self.act(gate) * up, self.tp[0])
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -182,15 +200,43 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class GemmaDecoderLayer(nn.Module):
+    """Gemma's "sandwich": a norm before and after both attention and the MLP (HF's names: its
+    post_attention_layernorm is on the attention's output, pre_feedforward_layernorm before the MLP)."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, backend: TorchNativeAttnBackend, shard: ModelShard, tp):
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, backend, shard, tp)
+        self.mlp = LlamaMLP(config, shard, tp)
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps)
+        self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+        self.post_feedforward_layernorm = RMSNorm(config.hidden_size, eps)
+
+    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, fb: ForwardBatch) -> torch.Tensor:
+        h = h + self.post_attention_layernorm(self.self_attn(rope, self.input_layernorm(h), fb))
+        return h + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(h)))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, config: ModelConfig, backend: TorchNativeAttnBackend, max_positions: int,
                  shard: ModelShard, tp):
         super().__init__()
         self.shard, self.tp = shard, tp
         self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size)
+        self.embed_scale = config.embed_scale
         self.rotary = RotaryEmbedding(config, max_positions)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, backend, shard, tp) for i in range(config.num_layers))
+        # Gemma 3's windowed layers rotate with their own base frequency
+        self.local_rotary = None
+        if config.local_rope_theta is not None:
+            local = dataclasses.replace(config, rope_theta=config.local_rope_theta,
+                                        rope_scaling=config.local_rope_scaling)
+            self.local_rotary = RotaryEmbedding(local, max_positions)
+        self.local_layers = [self.local_rotary is not None and config.window(i) is not None
+                             for i in range(config.num_layers)]
+        layer_cls = GemmaDecoderLayer if config.sandwich_norms else LlamaDecoderLayer
+        self.layers = nn.ModuleList(layer_cls(config, i, backend, shard, tp) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
@@ -203,9 +249,13 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed(fb.input_ids)
+        if self.embed_scale is not None:
+            # rounded to the activations' dtype first, as transformers does
+            h = h * float(torch.tensor(self.embed_scale, dtype=h.dtype))
         rope = self.rotary.cos_sin(fb.positions, h.dtype)
-        for layer in self.layers:
-            h = layer(rope, h, fb)
+        local = self.local_rotary.cos_sin(fb.positions, h.dtype) if self.local_rotary is not None else rope
+        for layer, is_local in zip(self.layers, self.local_layers):
+            h = layer(local if is_local else rope, h, fb)
         return self.norm(h)
 
 
@@ -219,6 +269,7 @@ class LlamaForCausalLM(nn.Module):
         self.tp = tp or SingleRank()
         self.shard = ModelShard.of(config, self.tp.rank, self.tp.size)
         self.attn_backend = attn_backend or TorchNativeAttnBackend()
+        self.attn_backend.layer_windows = list(config.layer_windows)
         self.model = LlamaModel(config, self.attn_backend, max_positions or config.context_length, self.shard, self.tp)
         self.lm_head = nn.Linear(config.hidden_size, self.shard.vocab_per_rank, bias=False)
         self.tie_weights()
@@ -243,7 +294,10 @@ class LlamaForCausalLM(nn.Module):
         """Loads HF-named tensors, fusing q/k/v into qkv_proj and gate/up into gate_up_proj."""
         params = dict(self.named_parameters(remove_duplicate=False))
         loaded: set[str] = set()
+        norm_offset = 1.0 if self.config.sandwich_norms else 0.0  # Gemma stores its norm weights as w - 1
         for name, w in weights:
+            if norm_offset and name.endswith("norm.weight"):
+                w = w.float() + norm_offset
             w = self.shard.take(name, w, self.config.head_dim)
             target, offset = self._fused_target(name)
             if target not in params:

@@ -60,7 +60,9 @@ def load_model(path: str, dtype: torch.dtype = torch.float32, device: str | torc
         model = LlamaForCausalLM(config, attn_backend=attn_backend, tp=tp)
     model = model.to_empty(device=device).to(dtype)
     model.tie_weights()  # to_empty may have untied them
-    model.model.rotary.build(torch.device(device))  # float32 cache, recomputed for real
+    for rotary in (model.model.rotary, model.model.local_rotary):
+        if rotary is not None:
+            rotary.build(torch.device(device))  # float32 cache, recomputed for real
     model.load_weights(weights)
     if quantization == "gguf":
         from tidal.model.quant import quantize_model
