@@ -54,9 +54,11 @@ def free_port_block(n: int) -> int:
 
 class Server:
     def __init__(self, *extra: str, cmd: Optional[list[str]] = None, env: Optional[dict] = None,
-                 port: Optional[int] = None, host: str = "127.0.0.1", prefix: Optional[list[str]] = None):
+                 port: Optional[int] = None, host: str = "127.0.0.1", prefix: Optional[list[str]] = None,
+                 wait: bool = True):
         """`host`: the address it listens on; `prefix`: a command it runs under (`ip netns exec NS`, which
-        execs it, so the PID stays the server's)."""
+        execs it, so the PID stays the server's); `wait=False`: return at once, call wait_ready() later
+        (servers started together load their models in parallel: see all_ready)."""
         self.port = port or free_port()
         self.url = f"http://{host}:{self.port}"
         if cmd is None:
@@ -66,9 +68,10 @@ class Server:
         self.log = open(f"/tmp/tidal-test-{self.port}.log", "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, text=True,
                                      start_new_session=True, env={**os.environ, **(env or {})})
-        self._wait_ready()
+        if wait:
+            self.wait_ready()
 
-    def _wait_ready(self, timeout: float = 300) -> None:
+    def wait_ready(self, timeout: float = 300) -> None:
         deadline = time.time() + timeout
         while time.time() < deadline:
             if self.proc.poll() is not None:
@@ -92,6 +95,19 @@ class Server:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait(10)
         return self.proc.returncode
+
+
+def all_ready(*servers: Server) -> list[Server]:
+    """Servers made with wait=False (so they load their models in parallel), once all are ready; all
+    stopped if one fails."""
+    try:
+        for s in servers:
+            s.wait_ready()
+    except BaseException:
+        for s in servers:
+            s.stop()
+        raise
+    return list(servers)
 
 
 def assert_idle_and_intact(url: str, timeout: float = 60) -> None:

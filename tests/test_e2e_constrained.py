@@ -17,7 +17,7 @@ import jsonschema
 import openai
 import pytest
 
-from servers import Server, Traffic, free_port, free_port_block
+from servers import Server, Traffic, all_ready, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -160,9 +160,9 @@ def test_pd_cluster_equals_null_mode_token_for_token(server):
 def test_constrained_traffic_survives_role_switches():
     def dynamic() -> Server:
         return Server(*SERVER_ARGS, "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
-                      "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1")
+                      "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1", wait=False)
 
-    servers = [dynamic() for _ in range(3)]  # one keeps a usable path while the others move
+    servers = all_ready(*(dynamic() for _ in range(3)))  # one keeps a usable path while the others move
     a, b, c = (s.url for s in servers)
     sampling = {"json_schema": json.dumps(SCHEMAS[0]), "ignore_eos": False}
     prompts = ["Describe a person as JSON:", "Another person, as JSON:"]

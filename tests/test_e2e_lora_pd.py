@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, free_port, free_port_block
+from servers import Server, all_ready, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -87,9 +87,10 @@ def _switch(router_url: str, worker: str, mode: str) -> None:
 
 
 def test_adapters_survive_role_switches(lora_adapters, reference):
-    servers = [Server("--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
-                      "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1",
-                      "--chunked-prefill-size", "16", *lora_flags(lora_adapters)) for _ in range(2)]
+    servers = all_ready(*(Server("--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
+                                 "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1",
+                                 "--chunked-prefill-size", "16", *lora_flags(lora_adapters), wait=False)
+                          for _ in range(2)))
     a, b = (s.url for s in servers)
     rport = free_port()
     router = Server(cmd=[sys.executable, "-m", "tidal.router", "--port", str(rport), "--worker", a, b,

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, assert_idle_and_intact, free_port
+from servers import Server, all_ready, assert_idle_and_intact, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -27,8 +27,8 @@ def servers():
     """A switchable null server (the one that migrates) and a decode server (where requests go)."""
     common = ("--torch-threads", "1", "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
               "--enable-integrity-check")
-    source = Server(*common, "--disaggregation-bootstrap-port", str(free_port()))
-    target = Server(*common, "--disaggregation-mode", "decode")
+    source, target = all_ready(Server(*common, "--disaggregation-bootstrap-port", str(free_port()), wait=False),
+                               Server(*common, "--disaggregation-mode", "decode", wait=False))
     yield source, target
     for s in (target, source):
         s.stop()

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, assert_idle_and_intact, free_port, free_port_block
+from servers import Server, all_ready, assert_idle_and_intact, free_port, free_port_block
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -56,9 +56,10 @@ def test_injected_failures_under_load_every_request_ends():
 
 def test_killed_decode_lets_prefill_free_the_request():
     bport = free_port()
-    prefill = Server(*ARGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
-                     env=FAST_TIMEOUTS)
-    decode = Server(*ARGS, "--disaggregation-mode", "decode", env=FAST_TIMEOUTS)
+    prefill, decode = all_ready(
+        Server(*ARGS, "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port", str(bport),
+               env=FAST_TIMEOUTS, wait=False),
+        Server(*ARGS, "--disaggregation-mode", "decode", env=FAST_TIMEOUTS, wait=False))
     try:
         prompt = " ".join(["word"] * 1500)
         fields = {"bootstrap_host": "127.0.0.1", "bootstrap_port": bport, "bootstrap_room": 42,

@@ -11,7 +11,7 @@ import random
 import httpx
 import pytest
 
-from servers import Server, assert_idle_and_intact, free_port
+from servers import Server, all_ready, assert_idle_and_intact, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -36,10 +36,11 @@ def servers():
     """A plain server (the null reference, and the prefill of the PD test) and a speculating
     decode server; both may switch. (ref, prefill, spec): ref and prefill are one server."""
     bport = free_port()
-    ref = Server("--torch-threads", "1", "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend",
-                 "tcp", "--disaggregation-bootstrap-port", str(bport))
-    spec = Server("--torch-threads", "1", *SPEC, "--disaggregation-mode", "decode", "--enable-dynamic-disaggregation",
-                  "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check")
+    ref, spec = all_ready(
+        Server("--torch-threads", "1", "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend",
+               "tcp", "--disaggregation-bootstrap-port", str(bport), wait=False),
+        Server("--torch-threads", "1", *SPEC, "--disaggregation-mode", "decode", "--enable-dynamic-disaggregation",
+               "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check", wait=False))
     ref.bport = bport
     yield ref, ref, spec
     for s in (spec, ref):
@@ -149,8 +150,8 @@ def drafted(tmp_path_factory):
              draft, "--speculative-num-steps", "3", "--enable-dynamic-disaggregation",
              "--disaggregation-transfer-backend", "tcp", "--enable-integrity-check")
     bport = free_port()
-    a = Server(*flags, "--disaggregation-bootstrap-port", str(bport))
-    b = Server(*flags, "--disaggregation-mode", "decode")
+    a, b = all_ready(Server(*flags, "--disaggregation-bootstrap-port", str(bport), wait=False),
+                     Server(*flags, "--disaggregation-mode", "decode", wait=False))
     a.bport = bport
     yield a, b
     for s in (b, a):

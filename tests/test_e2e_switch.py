@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from servers import Server, Traffic, free_port
+from servers import Server, Traffic, all_ready, free_port
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -19,10 +19,14 @@ KEY = "sekrit"
 PROMPTS = ["The capital of France is", "def add(a, b):", "Three primary colors are", "Water boils at"]
 
 
+def dynamic_flags(*extra: str) -> tuple[str, ...]:
+    return ("--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
+            "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1",
+            "--chunked-prefill-size", "32", *extra)
+
+
 def dynamic_server(*extra: str) -> Server:
-    return Server("--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",
-                  "--disaggregation-bootstrap-port", str(free_port()), "--torch-threads", "1",
-                  "--chunked-prefill-size", "32", *extra)
+    return Server(*dynamic_flags(*extra))
 
 
 def switch(url: str, mode: str, key: str | None = KEY, **kw) -> httpx.Response:
@@ -53,7 +57,7 @@ def test_admin_api_status_codes():
         st = httpx.get(s.url + "/admin/disaggregation_status", headers={"Authorization": f"Bearer {KEY}"}).json()
         assert st["current_mode"] == "null" and st["transition_state"] == "IDLE" and st["epoch"] == 0
 
-        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+        body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 250, "ignore_eos": True}}
         with httpx.Client(timeout=120) as c:
             t = threading.Thread(target=lambda: c.post(s.url + "/generate", json=body))
             t.start()
@@ -87,7 +91,7 @@ def test_disabled_switching_is_400():
 
 
 def test_router_moves_workers_through_every_direction_under_traffic():
-    servers = [dynamic_server() for _ in range(3)]
+    servers = all_ready(*(Server(*dynamic_flags(), wait=False) for _ in range(3)))
     a, b, c = (s.url for s in servers)
     reference = {p: gen(a, p).json()["output_ids"] for p in PROMPTS}
     rport = free_port()
@@ -140,89 +144,117 @@ def pd_request(prefill_url: str, decode_url: str, text: str, room: int) -> httpx
     return answer
 
 
-def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on():
+@pytest.fixture(scope="module")
+def pair():
+    """Two dynamic servers shared by the handover tests (server starts were most of their time): each test
+    gets them null and idle, their epochs as earlier tests left them."""
+    a, b = all_ready(Server(*dynamic_flags(), wait=False), Server(*dynamic_flags(), wait=False))
+    try:
+        yield a, b
+    finally:
+        a.stop()
+        b.stop()
+
+
+_COLOCATED: dict[tuple[str, int], list[int]] = {}
+
+
+def colocated(url: str, text: str, n: int) -> list[int]:
+    """The greedy answer of a null server (every server here runs the same model and flags), asked once."""
+    if (text, n) not in _COLOCATED:
+        _COLOCATED[text, n] = gen(url, text, n).json()["output_ids"]
+    return _COLOCATED[text, n]
+
+
+def null_and_idle(*servers: Server) -> None:
+    for s in servers:
+        st = {}
+        for _ in range(300):
+            st = httpx.get(s.url + "/admin/disaggregation_status").json()
+            if st["transition_state"] == "IDLE":
+                break
+            time.sleep(0.1)
+        if st["current_mode"] != "null":
+            assert switch(s.url, "null", drain=True, timeout_s=60).status_code == 200
+
+
+def test_a_decode_server_switches_to_prefill_at_once_while_its_answer_goes_on(pair):
     """Real servers: B decodes a long answer for A; B switches to prefill with handover while it streams.
     The switch does not wait for the answer (no drain), B prefills for A (now decode) at once, the answer
     streams on to the end equal to the colocated one, and the decode role goes once it is done."""
-    a, b = dynamic_server(), dynamic_server()
-    try:
-        n = 320
-        want = gen(a.url, PROMPTS[1], n).json()["output_ids"]
-        assert switch(a.url, "prefill").status_code == 200 and switch(b.url, "decode").status_code == 200
-        bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
-        room = 12345
-        sampling = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-        body = {"text": PROMPTS[1], "sampling_params": sampling, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": bport, "bootstrap_room": room}
-        got, first_token = [], threading.Event()
+    a, b = pair
+    null_and_idle(a, b)
+    n = 320
+    want = gen(a.url, PROMPTS[1], n).json()["output_ids"]
+    assert switch(a.url, "prefill").status_code == 200 and switch(b.url, "decode").status_code == 200
+    bport = httpx.get(a.url + "/server_info").json()["disaggregation_bootstrap_port"]
+    room = 12345
+    sampling = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+    body = {"text": PROMPTS[1], "sampling_params": sampling, "bootstrap_host": "127.0.0.1",
+            "bootstrap_port": bport, "bootstrap_room": room}
+    got, first_token = [], threading.Event()
 
-        t = threading.Thread(target=stream_into, args=(b.url, {**body, "stream": True}, got, first_token))
-        t.start()
-        assert httpx.post(a.url + "/generate", json=body, timeout=300).status_code == 200  # A's prefill leg
-        assert first_token.wait(120)
-        r = switch(b.url, "prefill", handover=True, drain=False)
-        assert r.status_code == 200, r.text
-        assert r.json()["current_mode"] == "prefill" and r.json()["timings_ms"]["drain"] == 0.0
-        assert "handover" in r.json()["message"]
-        assert switch(a.url, "decode", drain=True, timeout_s=60).status_code == 200
-        t_switch = time.time()
-        # B prefills for A at once, while its own answer goes on
-        bport_b = httpx.get(b.url + "/server_info").json()["disaggregation_bootstrap_port"]
-        body2 = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
-                 "bootstrap_host": "127.0.0.1", "bootstrap_port": bport_b, "bootstrap_room": 777}
-        with httpx.Client(timeout=120) as c:
-            legs = [threading.Thread(target=lambda: c.post(b.url + "/generate", json=body2))]
-            legs[0].start()
-            second = c.post(a.url + "/generate", json=body2)
-            legs[0].join()
-        assert second.status_code == 200, second.text
-        assert t.is_alive(), "the handed-over answer should still be streaming"
-        t.join(300)
-        assert got == want and len(got) == n
+    t = threading.Thread(target=stream_into, args=(b.url, {**body, "stream": True}, got, first_token))
+    t.start()
+    assert httpx.post(a.url + "/generate", json=body, timeout=300).status_code == 200  # A's prefill leg
+    assert first_token.wait(120)
+    r = switch(b.url, "prefill", handover=True, drain=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["current_mode"] == "prefill" and r.json()["timings_ms"]["drain"] == 0.0
+    assert "handover" in r.json()["message"]
+    assert switch(a.url, "decode", drain=True, timeout_s=60).status_code == 200
+    t_switch = time.time()
+    # B prefills for A at once, while its own answer goes on
+    bport_b = httpx.get(b.url + "/server_info").json()["disaggregation_bootstrap_port"]
+    body2 = {"text": PROMPTS[2], "sampling_params": {"max_new_tokens": 8, "temperature": 0.0, "ignore_eos": True},
+             "bootstrap_host": "127.0.0.1", "bootstrap_port": bport_b, "bootstrap_room": 777}
+    with httpx.Client(timeout=120) as c:
+        legs = [threading.Thread(target=lambda: c.post(b.url + "/generate", json=body2))]
+        legs[0].start()
+        second = c.post(a.url + "/generate", json=body2)
+        legs[0].join()
+    assert second.status_code == 200, second.text
+    assert t.is_alive(), "the handed-over answer should still be streaming"
+    t.join(300)
+    assert got == want and len(got) == n
+    st = httpx.get(b.url + "/admin/disaggregation_status").json()
+    for _ in range(50):
+        if st["transition_state"] == "IDLE":
+            break
+        time.sleep(0.1)
         st = httpx.get(b.url + "/admin/disaggregation_status").json()
-        for _ in range(50):
-            if st["transition_state"] == "IDLE":
-                break
-            time.sleep(0.1)
-            st = httpx.get(b.url + "/admin/disaggregation_status").json()
-        assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
-        assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
-    finally:
-        a.stop()
-        b.stop()
+    assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
+    assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
 
 
-def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on():
+def test_a_busy_null_server_switches_to_prefill_at_once_while_its_answer_goes_on(pair):
     """Real servers: A (null) streams a long answer of its own when it switches to prefill with handover.
     The switch does not drain, A prefills for B (decode) at once, its own answer streams on to the end equal
     to the one before the switch, and the null role goes once it is done."""
-    a, b = dynamic_server(), dynamic_server()
-    try:
-        n = 200
-        want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
-        assert switch(b.url, "decode").status_code == 200
-        t, got = streaming(a.url, PROMPTS[3], n)
-        r = switch(a.url, "prefill", handover=True, drain=False)
-        assert r.status_code == 200, r.text
-        assert r.json()["timings_ms"]["drain"] == 0.0 and "null role held finish under prefill" in r.json()["message"]
-        t_switch = time.time()
-        assert handing_over_from(a.url) == "null"  # what the router reads as the switch answers (no stale snapshot)
-        pd = pd_request(a.url, b.url, PROMPTS[0], room=4242)
-        assert pd.status_code == 200, pd.text
-        assert t.is_alive(), "the handed-over answer should still be streaming"
-        t.join(300)
-        assert got == want
-        for _ in range(50):
-            st = httpx.get(a.url + "/admin/disaggregation_status").json()
-            if st["transition_state"] == "IDLE":
-                break
-            time.sleep(0.1)
-        assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
-        assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
-        assert handing_over_from(a.url) == ""
-    finally:
-        a.stop()
-        b.stop()
+    a, b = pair
+    null_and_idle(a, b)
+    n = 200
+    want = colocated(a.url, PROMPTS[3], n)
+    assert switch(b.url, "decode").status_code == 200
+    t, got = streaming(a.url, PROMPTS[3], n)
+    r = switch(a.url, "prefill", handover=True, drain=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["timings_ms"]["drain"] == 0.0 and "null role held finish under prefill" in r.json()["message"]
+    t_switch = time.time()
+    assert handing_over_from(a.url) == "null"  # what the router reads as the switch answers (no stale snapshot)
+    pd = pd_request(a.url, b.url, PROMPTS[0], room=4242)
+    assert pd.status_code == 200, pd.text
+    assert t.is_alive(), "the handed-over answer should still be streaming"
+    t.join(300)
+    assert got == want
+    for _ in range(50):
+        st = httpx.get(a.url + "/admin/disaggregation_status").json()
+        if st["transition_state"] == "IDLE":
+            break
+        time.sleep(0.1)
+    assert st["transition_state"] == "IDLE" and st["current_mode"] == "prefill"
+    assert st["last_switch_timings_ms"]["handover"] > 0 and time.time() - t_switch < 300
+    assert handing_over_from(a.url) == ""
 
 
 def handing_over_from(url: str) -> str:
@@ -230,27 +262,25 @@ def handing_over_from(url: str) -> str:
     return httpx.get(url + "/get_load", timeout=10).json()[0]["handing_over_from"]
 
 
-def test_a_server_switched_back_during_its_handover_is_null_again_while_its_answer_goes_on():
+def test_a_server_switched_back_during_its_handover_is_null_again_while_its_answer_goes_on(pair):
     """Real servers: A (null) hands its streaming answer over to prefill, prefills one PD request for B, and is
     switched back to null while the answer still streams: the switch back goes at once (no drain: the PD
     prompt's KV was sent), the answer ends equal to the one before, and A serves colocated requests again."""
-    a, b = dynamic_server(), dynamic_server()
-    try:
-        n = 200
-        want = gen(a.url, PROMPTS[3], n).json()["output_ids"]
-        assert switch(b.url, "decode").status_code == 200
-        t, got = streaming(a.url, PROMPTS[3], n)
-        assert switch(a.url, "prefill", handover=True, drain=False).status_code == 200
-        assert pd_request(a.url, b.url, PROMPTS[0], room=4343).status_code == 200
-        r = switch(a.url, "null", drain=False)
-        assert r.status_code == 200, r.text
-        assert r.json()["current_mode"] == "null" and r.json()["epoch"] == 2 and "switched back" in r.json()["message"]
-        assert t.is_alive(), "the handed-over answer should still be streaming"
-        st = httpx.get(a.url + "/admin/disaggregation_status").json()
-        assert st["transition_state"] == "IDLE" and st["current_mode"] == "null"
-        assert gen(a.url, PROMPTS[2], 8).status_code == 200  # colocated again
-        t.join(300)
-        assert got == want
-    finally:
-        a.stop()
-        b.stop()
+    a, b = pair
+    null_and_idle(a, b)
+    epoch = httpx.get(a.url + "/admin/disaggregation_status").json()["epoch"]
+    n = 200
+    want = colocated(a.url, PROMPTS[3], n)
+    assert switch(b.url, "decode").status_code == 200
+    t, got = streaming(a.url, PROMPTS[3], n)
+    assert switch(a.url, "prefill", handover=True, drain=False).status_code == 200
+    assert pd_request(a.url, b.url, PROMPTS[0], room=4343).status_code == 200
+    r = switch(a.url, "null", drain=False)
+    assert r.status_code == 200, r.text
+    assert r.json()["current_mode"] == "null" and r.json()["epoch"] == epoch + 2 and "switched back" in r.json()["message"]
+    assert t.is_alive(), "the handed-over answer should still be streaming"
+    st = httpx.get(a.url + "/admin/disaggregation_status").json()
+    assert st["transition_state"] == "IDLE" and st["current_mode"] == "null"
+    assert gen(a.url, PROMPTS[2], 8).status_code == 200  # colocated again
+    t.join(300)
+    assert got == want
