@@ -157,6 +157,7 @@ def test_pd_cluster_equals_null_mode_token_for_token(server):
         router.stop()
 
 
+@pytest.mark.slow  # a soak; test_e2e_switch.py switches under traffic, test_pd_cluster_... is PD (suite time)
 def test_constrained_traffic_survives_role_switches():
     def dynamic() -> Server:
         return Server(*SERVER_ARGS, "--enable-dynamic-disaggregation", "--disaggregation-transfer-backend", "tcp",

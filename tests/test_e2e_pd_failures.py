@@ -24,6 +24,7 @@ ARGS = ["--max-total-tokens", "8192", "--chunked-prefill-size", "64", "--torch-t
 FAST_TIMEOUTS = {"TIDAL_DISAGG_BOOTSTRAP_TIMEOUT": "5", "TIDAL_DISAGG_WAITING_TIMEOUT": "5"}
 
 
+@pytest.mark.slow  # a soak; tests/test_transfer.py injects failures into single transfers (suite time)
 def test_injected_failures_under_load_every_request_ends():
     port, base, bport = free_port(), free_port_block(4), free_port()
     cmd = [sys.executable, "-m", "tidal.cli", "cluster", "--prefill", "1", "--decode", "1", "--port", str(port),

@@ -22,6 +22,8 @@ DISAGG_MODES = ("null", "prefill", "decode")
 # switching to decode cannot: the decode role prefills none of the prompts it held.
 HANDOVER_SWITCHES = (("decode", "prefill"), ("decode", "null"), ("null", "prefill"))
 POOLING_METHODS = ("last", "mean", "cls")
+# the windowed layers' own KV pool of a sliding-window model, in tokens per full-pool token (SGLang's default)
+SWA_FULL_TOKENS_RATIO = 0.8
 TRANSFER_BACKENDS = ("fake", "shm", "tcp", "mooncake", "nixl")
 LORA_TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGET_CHOICES = LORA_TARGET_MODULES + ("all",)
@@ -145,6 +147,9 @@ class ServerArgs:
     max_total_tokens: Optional[int] = None
     mem_fraction_static: float = 0.5
     disable_radix_cache: bool = False
+    # sliding-window models: the windowed layers' KV pool, in tokens per full-pool token
+    # (tidal/kvcache/swa.py); None: SWA_FULL_TOKENS_RATIO where it can run, 1 (one pool) elsewhere
+    swa_full_tokens_ratio: Optional[float] = None
     # embeddings (tidal/model/pooling.py): None = what the model declares
     is_embedding: bool = False
     pooling_method: Optional[str] = None
@@ -267,6 +272,11 @@ class ServerArgs:
             raise ValueError(f"--retraction-migrate-to takes http(s) base URLs of decode servers, got {bad[:3]}")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ValueError("--mem-fraction-static must be in (0, 1]")
+        if self.swa_full_tokens_ratio is not None and not 0.0 < self.swa_full_tokens_ratio <= 1.0:
+            raise ValueError("--swa-full-tokens-ratio must be in (0, 1]")
+        if (self.swa_full_tokens_ratio or 1.0) < 1.0 and self.swa_pool_refusal():
+            raise ValueError(f"--swa-full-tokens-ratio {self.swa_full_tokens_ratio}: {self.swa_pool_refusal()}; "
+                             f"leave it out (or set 1) for one pool")
         for name in ("max_request_body_bytes", "max_n", "max_batch_size_per_request", "max_stop_string_chars"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
@@ -291,6 +301,14 @@ class ServerArgs:
         parse_kv_events_config(self.kv_events_config)  # ValueError with the reason
         self._validate_lora()
         self._validate_speculative()
+
+    def swa_pool_refusal(self) -> Optional[str]:
+        """Why the windowed layers cannot have a pool of their own with these flags, or None."""
+        if self.disaggregation_mode != "null" or self.enable_dynamic_disaggregation:
+            return "a separate sliding-window pool does not transfer KV yet (PD and role switching need one pool)"
+        if self.disaggregation_transfer_backend == "shm" or self.retraction_migrate_to:
+            return "a separate sliding-window pool does not transfer KV yet (shm pool, migration)"
+        return None
 
     def _validate_speculative(self) -> None:
         algo = self.speculative_algorithm
@@ -394,6 +412,9 @@ def add_server_args(p: argparse.ArgumentParser) -> None:
       help="torch: gather + SDPA, the exact reference; flex: PyTorch's FlexAttention over the page table, compiled "
            "(a page size of 16 or more suits it); auto: torch for now")
     a("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (overrides --mem-fraction-static)")
+    a("--swa-full-tokens-ratio", type=float, default=None,
+      help="sliding-window models: the windowed layers' own KV pool, in tokens per token of the full pool "
+           f"(default {SWA_FULL_TOKENS_RATIO} where it can run: not with PD, role switching or migration; 1: one pool)")
     a("--mem-fraction-static", "--mem-fraction", dest="mem_fraction_static", type=float, default=d.mem_fraction_static,
       help="fraction of free memory left after the weights to give to the KV pool")
     a("--disable-radix-cache", action="store_true", help="no prefix sharing between requests")

@@ -40,13 +40,19 @@ class ChunkCache:
     def dec_lock_ref(self, node: TreeNode) -> None:
         pass
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, swa: bool = False) -> int:
         return 0
 
     def evictable_size(self) -> int:
         return 0
 
     def protected_size(self) -> int:
+        return 0
+
+    def swa_evictable_size(self) -> int:
+        return 0
+
+    def swa_protected_size(self) -> int:
         return 0
 
     def total_size(self) -> int:
@@ -69,6 +75,10 @@ class ChunkCache:
         self.allocator.free(self.req_to_token_pool.req_to_token[idx, : len(token_ids)])
         self.req_to_token_pool.free(idx)
         req.req_pool_idx = None
+
+    def free_window(self, req: Any, start: int, stop: int) -> None:
+        """A sliding-window model's positions [start, stop) of the request's prefix, its own here."""
+        self.allocator.free_swa(self.req_to_token_pool.req_to_token[req_pool_idx_of(req), start:stop])
 
     def cache_unfinished_req(self, req: Any, token_ids: list[int]) -> None:
         idx = req_pool_idx_of(req)

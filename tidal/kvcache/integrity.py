@@ -2,7 +2,8 @@
 
 Every usable page is exactly one of: free, in the prefix-cache tree, or held by a
 live request (a live request's pages that are tree pages are the tree's: its
-cached prefix is shared). Every req slot is free or live, never both.
+cached prefix is shared). Every req slot is free or live, never both. With a sliding-window
+pool, every SWA page is free or mapped from exactly one full page (tidal/kvcache/swa.py).
 """
 
 from __future__ import annotations
@@ -15,13 +16,14 @@ import torch
 
 from tidal.kvcache.allocator import PagedTokenAllocator
 from tidal.kvcache.req_to_token_pool import ReqToTokenPool
+from tidal.kvcache.swa import SWAPagedAllocator, check_swa
 
 _SHOW = 8  # how many offending pages a message names
 
 
 def check_integrity(
     req_to_token_pool: ReqToTokenPool,
-    allocator: PagedTokenAllocator,
+    allocator: PagedTokenAllocator | SWAPagedAllocator,
     cache: Any,
     live: list[tuple[int, int]],
 ) -> None:
@@ -29,6 +31,8 @@ def check_integrity(
     errors = _check_req_slots(req_to_token_pool, live)
     errors += _check_pages(req_to_token_pool, allocator, cache, live)
     errors += _check_tree(cache, allocator.page_size)
+    if isinstance(allocator, SWAPagedAllocator):
+        errors += check_swa(allocator, cache)
     if errors:
         raise AssertionError("KV cache integrity check failed:\n  " + "\n  ".join(errors))
 

@@ -8,6 +8,10 @@ With `shm_name`, the buffers live in one POSIX shared-memory file
 /dev/shm/<shm_name> (K of every layer, then V of every layer), so another process on
 the host can write pages straight into them (the `shm` transfer backend). The pool
 owns the file: `close()` unlinks it; the memory goes when the last mapping does.
+
+With `swa_layers` (a sliding-window model's windowed layers), those layers' buffers have
+`swa_size` usable slots of their own, indexed through `swa_page_map` (full page -> SWA page;
+tidal/kvcache/swa.py), so they hold only the pages still inside a window.
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ class MHATokenToKVPool:
         head_dim: int,
         device: str | torch.device = "cpu",
         shm_name: Optional[str] = None,
+        swa_layers: frozenset[int] = frozenset(),
+        swa_size: int = 0,
     ):
         self.size = size
         self.page_size = page_size
@@ -39,6 +45,13 @@ class MHATokenToKVPool:
         self.device = torch.device(device)
         total = size + page_size
         self.shm_path: Optional[str] = None
+        self.swa_layers, self.swa_size = frozenset(swa_layers), swa_size if swa_layers else 0
+        # full page -> the windowed layers' page (0: none); None without windowed buffers
+        self.swa_page_map: Optional[torch.Tensor] = None
+        if self.swa_layers:
+            if shm_name is not None:
+                raise ValueError("a KV pool with sliding-window buffers cannot live in shared memory")
+            self.swa_page_map = torch.zeros(size // page_size + 1, dtype=torch.int64, device=self.device)
         if shm_name is not None:
             self.k_buffer, self.v_buffer = self._map_shm(shm_name, total)
             return
@@ -46,8 +59,9 @@ class MHATokenToKVPool:
         # it fills; every slot is written before it is read, except the dummy page, which
         # padding reads and must hold finite values (0 * NaN would poison attention).
         # [layer] -> [slot, kv_head, head_dim]
-        self.k_buffer = [self._new_buffer(total) for _ in range(num_layers)]
-        self.v_buffer = [self._new_buffer(total) for _ in range(num_layers)]
+        sizes = [self.swa_size + page_size if i in self.swa_layers else total for i in range(num_layers)]
+        self.k_buffer = [self._new_buffer(n) for n in sizes]
+        self.v_buffer = [self._new_buffer(n) for n in sizes]
 
     def _new_buffer(self, total: int) -> torch.Tensor:
         buf = torch.empty((total, self.num_kv_heads, self.head_dim), dtype=self.dtype, device=self.device)
@@ -98,8 +112,13 @@ class MHATokenToKVPool:
         return self.v_buffer[layer_id]
 
     def bytes_per_token(self) -> int:
+        """Bytes of one full slot in every layer (what a KV transfer moves per token)."""
         elem = self.dtype.itemsize
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+    def nbytes(self) -> int:
+        """Bytes of every K and V buffer (windowed layers' smaller ones included)."""
+        return sum(b.numel() * b.element_size() for b in (*self.k_buffer, *self.v_buffer))
 
     @staticmethod
     def bytes_per_token_for(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -125,6 +144,7 @@ class StackedKVPool:
         self.k_buffer = target.k_buffer + draft.k_buffer
         self.v_buffer = target.v_buffer + draft.v_buffer
         self.shm_path = None
+        self.swa_page_map = None  # (a sliding-window pool does not travel: tidal/kvcache/swa.py)
 
     def bytes_per_token(self) -> int:
         return self.target.bytes_per_token() + self.draft.bytes_per_token()

@@ -12,6 +12,12 @@ itself, as without LoRA. A match never crosses namespaces.
 Ownership: slots in the tree belong to the tree. A request that matched a prefix
 locks the path (`inc_lock_ref`), which keeps it from eviction; `evictable_size`
 counts tokens of unlocked nodes and `protected_size` of locked ones.
+
+Sliding-window models (an SWAPagedAllocator, tidal/kvcache/swa.py): each node also counts its
+tokens that still have windowed-layer KV (`swa_len`), summed like the sizes above
+(`swa_evictable_size`); a match stops where the positions a query at its end sees are no longer
+all there. A node's SWA pages go before the node only through `free_window` (a request that alone
+holds it gives back a window it left at a chunk boundary), and come back through an insert (revive).
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import torch
 
 from tidal.kvcache.allocator import PagedTokenAllocator
 from tidal.kvcache.req_to_token_pool import ReqToTokenPool
+from tidal.kvcache.swa import SWAPagedAllocator, swa_valid_len
 from tidal.kvevents.events import block_hashes
 
 
@@ -42,6 +49,7 @@ class TreeNode:
         self.id = next(TreeNode._ids)
         self.namespace: Any = None  # set on a namespace node (an empty-keyed child of the root)
         self.hashes: list[int] = []  # with KV events: one chained hash per page of `key`
+        self.swa_len = 0  # tokens of `value` with an SWA page (sliding-window models)
 
     def __len__(self) -> int:
         return len(self.key)
@@ -75,6 +83,7 @@ class RadixCache:
         self._clock = itertools.count(1)
         self._protected = 0
         self.events = events  # a KVEventSink (tidal.kvevents.events): told of every page stored and removed
+        self.swa = allocator if isinstance(allocator, SWAPagedAllocator) else None
         self._new_tree()
 
     # ---- tree state -------------------------------------------------------------
@@ -94,6 +103,8 @@ class RadixCache:
         self.root_node.lock_ref = 1  # the root is never evicted
         self._evictable = 0
         self._protected = 0
+        self._swa_evictable = 0
+        self._swa_protected = 0
 
     def flush(self) -> bool:
         """Free every slot of the tree and empty it. Refused (False) while any node is locked."""
@@ -107,6 +118,15 @@ class RadixCache:
 
     def protected_size(self) -> int:
         return self._protected
+
+    def swa_evictable_size(self) -> int:
+        return self._swa_evictable
+
+    def swa_protected_size(self) -> int:
+        return self._swa_protected
+
+    def _swa_count(self, value: torch.Tensor) -> int:
+        return int(self.swa.alive(value).sum()) if self.swa is not None and value.numel() else 0
 
     def total_size(self) -> int:
         """Tokens in the tree, counted by walking it."""
@@ -164,6 +184,7 @@ class RadixCache:
         for n in nodes:
             self.allocator.free(n.value)
             self._evictable -= len(n)
+            self._swa_evictable -= n.swa_len
             if self.events is not None:
                 self.events.removed(n.hashes)
         del self.root_node.children[("namespace", namespace)]
@@ -176,9 +197,10 @@ class RadixCache:
             stack.extend(node.children.values())
             yield node
 
-    def match_prefix(self, key: list[int], namespace: Any = None) -> MatchResult:
-        """Longest cached page-aligned prefix of `key` in the namespace; splits a node the match ends inside."""
-        key = key[: self._aligned(len(key))]
+    def match_prefix(self, key: list[int], namespace: Any = None, whole_window: bool = True) -> MatchResult:
+        """Longest cached page-aligned prefix of `key` in the namespace; splits a node the match ends inside.
+        whole_window (sliding-window models): only a prefix whose last window still has its KV."""
+        key = whole = key[: self._aligned(len(key))]
         start = self._namespace_root(namespace, create=False)
         if self.disable or not key or start is None:
             return MatchResult(self._empty(), self.root_node if start is None else start)
@@ -198,6 +220,10 @@ class RadixCache:
             values.append(child.value)
             node, key = child, key[n:]
         indices = torch.cat(values) if values else self._empty()
+        if self.swa is not None and whole_window:
+            usable = swa_valid_len(self.swa.alive(indices), self.swa.window, self.page_size)
+            if usable < indices.numel():  # the window before the match's end lost its KV: match less
+                return self.match_prefix(whole[:usable], namespace)
         return MatchResult(indices, node)
 
     def _split(self, child: TreeNode, n: int) -> TreeNode:
@@ -209,6 +235,8 @@ class RadixCache:
         pages = n // self.page_size
         upper.hashes, child.hashes = child.hashes[:pages], child.hashes[pages:]
         child.key, child.value = child.key[n:], child.value[n:].clone()
+        upper.swa_len = self._swa_count(upper.value)
+        child.swa_len -= upper.swa_len
         child.parent = upper
         upper.children[self._child_key(child.key)] = child
         parent.children[self._child_key(upper.key)] = upper
@@ -217,7 +245,11 @@ class RadixCache:
     def insert(self, key: list[int], value: torch.Tensor, namespace: Any = None) -> int:
         """Add the page-aligned part of `key` with its slots `value`. Returns how many
         leading tokens were already cached: their slots in `value` are duplicates the
-        caller still owns and must free."""
+        caller still owns and must free.
+
+        Sliding-window models: where an unlocked node's copy lost windowed KV that the given
+        copy has, the node takes the given slots and `value` gets the node's old ones in
+        their place, so freeing the duplicates frees the old copy."""
         n_aligned = self._aligned(len(key))
         if self.disable or n_aligned == 0:
             return 0
@@ -233,15 +265,47 @@ class RadixCache:
             child.last_access_time = now
             n = self._match_len(child.key, key)
             node = self._split(child, n) if n < len(child.key) else child
+            if self.swa is not None and node.lock_ref == 0 and node.swa_len < n:
+                self._revive(node, value[:n])
             present += n
             key, value = key[n:], value[n:]
         if key:
             leaf = TreeNode(list(key), value.clone(), node, now)
             node.children[self._child_key(leaf.key)] = leaf
             self._evictable += len(leaf)
+            leaf.swa_len = self._swa_count(leaf.value)
+            self._swa_evictable += leaf.swa_len
             if self.events is not None:
                 self._tell_stored(leaf, node, namespace)
         return present
+
+    def _revive(self, node: TreeNode, value: torch.Tensor) -> None:
+        """Swap the node's slots with `value` (same tokens) when `value` has more windowed KV."""
+        alive = self._swa_count(value)
+        if alive <= node.swa_len:
+            return
+        old = node.value
+        node.value = value.clone()
+        value.copy_(old)
+        self._swa_evictable += alive - node.swa_len
+        node.swa_len = alive
+
+    def free_window(self, req: Any, start: int, stop: int) -> None:
+        """Free the SWA pages of positions [start, stop) of the request's cached prefix, in the nodes
+        only it holds (lock_ref 1): a window it left at a chunk boundary and needs no more."""
+        path, node = [], req.last_node
+        while node is not None and node is not self.root_node:
+            path.append(node)
+            node = node.parent
+        pos = 0
+        for n in reversed(path):
+            lo, hi = max(start, pos), min(stop, pos + len(n))
+            if lo < hi and n.lock_ref == 1 and n.swa_len:
+                self.swa.free_swa(n.value[lo - pos:hi - pos])
+                alive = self._swa_count(n.value)
+                self._swa_protected -= n.swa_len - alive
+                n.swa_len = alive
+            pos += len(n)
 
     def _tell_stored(self, leaf: TreeNode, parent: TreeNode, namespace: Any) -> None:
         parent_hash = parent.hashes[-1] if parent.hashes else None  # None: the namespace's first block
@@ -255,6 +319,8 @@ class RadixCache:
             if node.lock_ref == 0:
                 self._evictable -= len(node)
                 self._protected += len(node)
+                self._swa_evictable -= node.swa_len
+                self._swa_protected += node.swa_len
             node.lock_ref += 1
             node = node.parent  # type: ignore[assignment]
 
@@ -265,12 +331,15 @@ class RadixCache:
             if node.lock_ref == 1:
                 self._evictable += len(node)
                 self._protected -= len(node)
+                self._swa_evictable += node.swa_len
+                self._swa_protected -= node.swa_len
             node.lock_ref -= 1
             node = node.parent  # type: ignore[assignment]
 
-    def evict(self, num_tokens: int) -> int:
+    def evict(self, num_tokens: int, swa: bool = False) -> int:
         """Free at least num_tokens tokens from unlocked leaves, least recently used
-        first (a parent left childless becomes a candidate). Returns tokens freed."""
+        first (a parent left childless becomes a candidate). Returns tokens freed.
+        swa: count the tokens freed in the SWA pool instead (a sliding-window model's)."""
         if self.disable or num_tokens <= 0:
             return 0
         heap = [(n.last_access_time, n.id, n) for n in self._nodes() if not n.children and n.lock_ref == 0]
@@ -280,7 +349,9 @@ class RadixCache:
         try:
             while heap and freed < num_tokens:
                 _, _, node = heapq.heappop(heap)
-                freed += self._delete_leaf(node)
+                swa_len = node.swa_len
+                full = self._delete_leaf(node)
+                freed += swa_len if swa else full
                 parent = node.parent
                 if parent.parent is not None and not parent.children and parent.lock_ref == 0:
                     heapq.heappush(heap, (parent.last_access_time, parent.id, parent))
@@ -294,6 +365,7 @@ class RadixCache:
             self.events.removed(node.hashes)
         del node.parent.children[self._child_key(node.key)]
         self._evictable -= len(node)
+        self._swa_evictable -= node.swa_len
         return len(node)
 
     # ---- request hooks -----------------------------------------------------------
@@ -322,7 +394,8 @@ class RadixCache:
             req.prefix_indices = kv
             return
         aligned = self._insert_req(req, token_ids, kv)
-        match = self.match_prefix(token_ids[:aligned], namespace_of(req))
+        # the request's own chunk: the window it goes on from is whole, the rest it may have freed
+        match = self.match_prefix(token_ids[:aligned], namespace_of(req), whole_window=False)
         if match.device_indices.numel() != aligned:
             raise RuntimeError(f"re-match found {match.device_indices.numel()} of {aligned} inserted tokens")
         self.req_to_token_pool.req_to_token[idx, :aligned] = match.device_indices

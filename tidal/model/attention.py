@@ -29,6 +29,8 @@ Sliding-window layers (`layer_windows`, set by the model) get their own metadata
 built the same way over fewer keys: a request's keys start at the oldest position its first
 query sees (decode: its last W positions, unmasked once every request has W), and the masks add
 `key > query - W`. A fresh prompt longer than its window needs an explicit mask, not is_causal.
+Where the pool keeps the windowed layers in buffers of their own (`swa_page_map`, tidal/kvcache/swa.py),
+that metadata's slots, and the slots the pass stores its K/V at (`out_loc`), are those buffers'.
 """
 
 from __future__ import annotations
@@ -97,6 +99,7 @@ class TorchNativeMetadata:
     short: Optional[ShortExtend] = None  # EXTEND of short runs on cached prefixes, batched
     # the metadata of the sliding-window layers, per window (the fields above serve full attention)
     windowed: dict[int, "TorchNativeMetadata"] = field(default_factory=dict)
+    out_loc: Optional[torch.Tensor] = None  # where the pass stores K/V, when not fb.out_cache_loc
 
 
 DECODE_PATHS = ("auto", "sdpa", "bag")
@@ -132,8 +135,28 @@ class TorchNativeAttnBackend:
 
     def init_forward_metadata(self, fb: ForwardBatch) -> None:
         meta = self._metadata(fb, None)
-        meta.windowed = {w: self._metadata(fb, w) for w in set(self.layer_windows) if w is not None}
+        meta.windowed = {w: self._windowed_metadata(fb, w) for w in set(self.layer_windows) if w is not None}
         fb.attn_metadata = meta
+
+    def _windowed_metadata(self, fb: ForwardBatch, window: int) -> TorchNativeMetadata:
+        meta = self._metadata(fb, window)
+        page_map = fb.kv_pool.swa_page_map
+        if page_map is None:  # the windowed layers share the full layers' slots
+            return meta
+        ps = fb.kv_pool.page_size
+
+        def to_swa(slots: torch.Tensor) -> torch.Tensor:
+            return page_map[slots // ps] * ps + slots % ps
+
+        meta.out_loc = to_swa(fb.out_cache_loc)
+        if meta.kv_index is not None:
+            meta.kv_index = to_swa(meta.kv_index)
+        if meta.short is not None:
+            meta.short.kv_index = to_swa(meta.short.kv_index)
+        for seg in meta.segments:
+            if seg.kv_index is not None:
+                seg.kv_index = to_swa(seg.kv_index)
+        return meta
 
     def _metadata(self, fb: ForwardBatch, window: Optional[int]) -> TorchNativeMetadata:
         if fb.forward_mode == ForwardMode.DECODE:
@@ -236,10 +259,10 @@ class TorchNativeAttnBackend:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]; stores k/v at fb.out_cache_loc first."""
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta: TorchNativeMetadata = fb.attn_metadata
         if self.layer_windows and self.layer_windows[layer_id] is not None:
             meta = meta.windowed[self.layer_windows[layer_id]]
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc if meta.out_loc is None else meta.out_loc, k, v)
         if fb.forward_mode == ForwardMode.DECODE:
             return self._decode(q, layer_id, fb, meta)
         if meta.short is not None:

@@ -11,7 +11,9 @@ verification (a short extend); the new tokens' K/V are stored first and read bac
 like the rest. Queries are laid out [B, H, Q, D], Q the longest extend of the pass; rows past a
 request's extend repeat its first row's position and are dropped. A sliding-window layer's block
 mask adds `key position > query position - W` to the same mask_mod (one block mask per window);
-encoder inputs would be another mask_mod over the same logical positions.
+encoder inputs would be another mask_mod over the same logical positions. Where the pool keeps the
+windowed layers in buffers of their own (`swa_page_map`, tidal/kvcache/swa.py), their block mask's page
+table is those buffers' pages, a page whose windowed KV is gone (mapped to 0) hidden like padding.
 
 `compile`: the call goes through torch.compile (FlexAttention's fused kernels; without it torch
 evaluates the mask densely, which serves tests and small pools only).
@@ -53,6 +55,7 @@ class FlexMetadata:
     q_index: torch.Tensor  # [B, Q] flat token of each query row (padding rows -> the request's first)
     out_rows: torch.Tensor  # [T] row of [B * Q] that holds each flat token's output
     windowed: dict[int, "FlexMetadata"] = field(default_factory=dict)  # the sliding-window layers', per window
+    out_loc: Optional[torch.Tensor] = None  # where the pass stores K/V, when not fb.out_cache_loc
 
 
 class FlexAttnBackend:
@@ -94,6 +97,8 @@ class FlexAttnBackend:
 
         pool = fb.kv_pool
         ps, dev = pool.page_size, fb.req_to_token.device
+        page_map = pool.swa_page_map if window is not None else None  # None: the full layers' slots
+        buffer_slots = (pool.size if page_map is None else pool.swa_size) + ps  # the layers' buffer, dummy page in
         real = fb.batch_size
         # compiled kernels are specialised to shapes (torch 2.13's CPU template fails with dynamic ones):
         # the batch and the query rows are padded to buckets, so a few graphs serve every pass
@@ -103,12 +108,17 @@ class FlexAttnBackend:
         ext = F.pad(fb.extend_seq_lens, (0, pad))
         prefix = F.pad(fb.extend_prefix_lens, (0, pad))
         seq_lens = F.pad(fb.seq_lens, (0, pad), value=1)  # a padding request sees the dummy slot 0 only
-        n_pages = pool.k_buffer[0].shape[0] // ps
+        n_pages = buffer_slots // ps
         max_pages = -(-max(fb.seq_lens_cpu) // ps)
         # logical page j of request b -> its physical page (past its KV: whatever the table holds, masked)
         table = F.pad(fb.req_to_token[fb.req_pool_indices, : max_pages * ps : ps] // ps, (0, 0, 0, pad))  # [B, P]
+        if page_map is not None:
+            table = page_map[table]
         pages_used = (seq_lens + ps - 1) // ps  # [B]
         live = torch.arange(max_pages, device=dev)[None, :] < pages_used[:, None]
+        if page_map is not None:  # a page whose windowed KV is gone is hidden; padding rows keep the dummy page
+            live &= table != 0
+            live[real:, 0] = True
         to_logical = torch.full((bs, n_pages), -1, dtype=torch.int64, device=dev)
         logical = torch.arange(max_pages, device=dev).expand(bs, max_pages)
         # entries past a request's pages write -1 to the dummy page 0, which no request's KV uses
@@ -129,24 +139,30 @@ class FlexAttnBackend:
                 seen = seen & (pos > q_pos[b, q_idx] - window)
             return seen
 
+        blocks, counts = table, pages_used
+        if page_map is not None:  # the live pages first: fewer of them than the buffer's pages
+            order = torch.argsort((~live).to(torch.int8), dim=1, stable=True)
+            blocks = torch.gather(torch.where(live, table, 0), 1, order)[:, :min(max_pages, n_pages)]
+            counts = live.sum(1)
         q_blocks = -(-q_len // Q_BLOCK)
-        kv_num = pages_used.to(torch.int32)[:, None, None].expand(bs, 1, q_blocks).contiguous()
-        # indices are physical pages, so the row spans the pool's pages (only the first max_pages are read)
+        kv_num = counts.to(torch.int32)[:, None, None].expand(bs, 1, q_blocks).contiguous()
+        # indices are physical pages, so the row spans the pool's pages (only the first kv_num are read)
         kv_idx = torch.zeros(bs, 1, q_blocks, n_pages, dtype=torch.int32, device=dev)
-        kv_idx[..., :max_pages] = table.to(torch.int32)[:, None, None, :]
+        kv_idx[..., :blocks.shape[1]] = blocks.to(torch.int32)[:, None, None, :]
         # no block is marked full (every one goes through mask_mod); the CPU kernel needs the tensors anyway
         block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, torch.zeros_like(kv_num), torch.zeros_like(kv_idx),
                                               BLOCK_SIZE=(Q_BLOCK, ps), mask_mod=mask_mod,
                                               seq_lengths=(q_len, n_pages * ps))
-        return FlexMetadata(block_mask, q_index, out_rows)
+        out_loc = None if page_map is None else page_map[fb.out_cache_loc // ps] * ps + fb.out_cache_loc % ps
+        return FlexMetadata(block_mask, q_index, out_rows, out_loc=out_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,
                 fb: ForwardBatch) -> torch.Tensor:
         """q [T, H, D], k/v [T, Hkv, D] -> [T, H*D]; stores k/v at fb.out_cache_loc first."""
-        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc, k, v)
         meta: FlexMetadata = fb.attn_metadata
         if self.layer_windows and self.layer_windows[layer_id] is not None:
             meta = meta.windowed[self.layer_windows[layer_id]]
+        fb.kv_pool.set_kv(layer_id, fb.out_cache_loc if meta.out_loc is None else meta.out_loc, k, v)
         n_tok, n_heads, head_dim = q.shape
         bs, q_len = meta.q_index.shape
         kbuf, vbuf = fb.kv_pool.get_k(layer_id), fb.kv_pool.get_v(layer_id)

@@ -7,9 +7,10 @@ from typing import Optional
 
 import torch
 
-from tidal.config import ServerArgs
+from tidal.config import SWA_FULL_TOKENS_RATIO, ServerArgs
 from tidal.cpus import CpuPlan, cgroup_cpu_limit, plan_member
 from tidal.kvcache.kv_pool import MHATokenToKVPool
+from tidal.kvcache.swa import SWALayout
 from tidal.model.attn_backend import create_attention_backend
 from tidal.model.compiled import CompiledDecode, compile_failure, warm_up
 from tidal.model.cpu_kernels import CpuKind, choose_compile, choose_kernels, detect_cpu
@@ -104,9 +105,11 @@ class ModelRunner:
             quantization=self.quantization, max_quant_tokens=args.quantized_max_tokens,
             prepack=self.kernels.weight_prepack)
         self.lora = self._load_lora() if args.enable_lora else None
+        self.swa_layers, self.swa_ratio = self._swa_plan()
         # every rank must hold the same number of KV slots: the schedulers make the same decisions
         self.max_total_tokens = int(self.tp.all_gather_ints([self._pool_size()]).min())
         cfg = self.model_config
+        self.swa_size = self._swa_size() if self.swa_layers else 0
         self.num_kv_heads = self.model.shard.num_kv_heads  # this rank's
         # the shm transfer backend writes into a decode pool in shared memory; any role may
         # become decode at runtime, so the pool is shared whenever that backend is chosen
@@ -114,7 +117,12 @@ class ModelRunner:
         self.kv_pool = MHATokenToKVPool(
             self.max_total_tokens, self.page_size, self.dtype,
             cfg.num_layers, self.num_kv_heads, cfg.head_dim, self.device,
-            shm_name=owned_segment_name("kv") if shm else None)  # swept if this rank dies unclean
+            shm_name=owned_segment_name("kv") if shm else None,  # swept if this rank dies unclean
+            swa_layers=self.swa_layers, swa_size=self.swa_size)
+        if self.swa_layers and self.tp.rank == 0:
+            logger.info("sliding-window layers %s: a KV pool of their own, %d tokens (--swa-full-tokens-ratio %.2f "
+                        "of %d), pages freed past the window", sorted(self.swa_layers), self.swa_size,
+                        self.swa_ratio, self.max_total_tokens)
         compile_on, why = choose_compile(args.enable_torch_compile, self.device, self.tp.size, args.enable_lora,
                                          self.attn_backend.name, bool(args.speculative_algorithm))
         if self.tp.rank == 0:
@@ -163,13 +171,49 @@ class ModelRunner:
             self.attn_backend.mask_every_batch = False
             return None
 
+    def _swa_plan(self) -> tuple[frozenset[int], float]:
+        """The windowed layers that get a KV pool of their own (tidal/kvcache/swa.py), and its size
+        per full-pool token; (empty, 1.0) for one pool."""
+        windowed = frozenset(i for i, w in enumerate(self.model_config.layer_windows) if w is not None)
+        if not windowed:
+            return frozenset(), 1.0
+        refusal = self.args.swa_pool_refusal()
+        ratio = self.args.swa_full_tokens_ratio
+        if ratio is None:
+            ratio = 1.0 if refusal else SWA_FULL_TOKENS_RATIO
+        if ratio >= 1.0:
+            logger.info("sliding-window layers share the full KV pool (%s)", refusal or "--swa-full-tokens-ratio 1")
+            return frozenset(), 1.0
+        return windowed, ratio
+
+    def _swa_size(self) -> int:
+        """The windowed buffers' slots: the ratio of the full pool's, and never fewer than one request's
+        longest pass (a chunk, or a whole prompt without chunking) plus its window needs."""
+        ps, window = self.page_size, self.swa_window
+        chunk = self.args.chunked_prefill_size if self.args.chunked_prefill_size > 0 else self.model_config.context_length
+        floor = min(self.max_total_tokens, chunk + window + 2 * ps)
+        return max(int(self.swa_ratio * self.max_total_tokens), floor) // ps * ps
+
+    @property
+    def swa_layout(self) -> Optional[SWALayout]:
+        """What the scheduler's allocator needs of the windowed buffers; None with one pool."""
+        if not self.swa_layers:
+            return None
+        return SWALayout(self.swa_window, self.swa_size, self.kv_pool.swa_page_map)
+
+    @property
+    def swa_window(self) -> int:
+        """The largest window of the model's layers: how far back any query looks (0: none windowed)."""
+        return max((w for w in self.model_config.layer_windows if w is not None), default=0)
+
     def _pool_size(self) -> int:
         cfg = self.model_config
         if self.args.max_total_tokens:
             tokens = int(self.args.max_total_tokens)
         else:
-            per_token = MHATokenToKVPool.bytes_per_token_for(
-                cfg.num_layers, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
+            bpt = MHATokenToKVPool.bytes_per_token_for(1, self.model.shard.num_kv_heads, cfg.head_dim, self.dtype)
+            # a windowed layer's buffer holds swa_ratio slots per full-pool slot
+            per_token = bpt * (cfg.num_layers - len(self.swa_layers) + self.swa_ratio * len(self.swa_layers))
             # ranks on one host share its memory: each takes its share of the fraction
             per_token *= self.tp.size
             # the weights are already resident, so free memory is what is left after them

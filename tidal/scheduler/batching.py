@@ -148,7 +148,7 @@ class BatchPlanner:
         # as PrefillAdder.add_one_req: the new request's whole decode room, the running ones' scaled
         need = -(-head.extend_input_len // ps) * ps + head.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS)
         room = PrefillAdder(mem.tree_cache, mem.allocator, s.running, self.new_token_ratio,
-                            s.args.max_prefill_tokens, self.chunk_size, ps).rem_total_tokens
+                            s.args.max_prefill_tokens, self.chunk_size, ps).room()
         slots = s.max_running_requests - len(s.running)
         for n, v in enumerate(victims, start=1):
             room += -(-v.kv_len // ps) * ps + int(v.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS) * self.new_token_ratio)
@@ -186,6 +186,8 @@ class BatchPlanner:
         if not s.running:
             return None
         mem = s.mem
+        # before the check (what the windows left behind is room) and before any guesses: kv_len is what is kept
+        mem.free_out_of_window(s.running)
         if mem.decode_tokens_needed([r.kv_len for r in s.running]) > mem.available_tokens():
             self.retract_decode()
             # requests that migrate free their KV only once it arrived: until then the rest may not fit

@@ -13,11 +13,17 @@ from tidal.kvcache import (
     ReqToTokenPool,
     check_integrity,
 )
+from tidal.kvcache.swa import SWALayout, SWAPagedAllocator
 from tidal.scheduler.req import Req
 
 
 class KVMemory:
-    """Owns ReqToTokenPool + PagedTokenAllocator + the cache; allocation evicts on demand."""
+    """Owns ReqToTokenPool + PagedTokenAllocator + the cache; allocation evicts on demand.
+
+    swa: the KV pool's windowed buffers (a sliding-window model), whose pages a second allocator
+    hands out beside the full ones (tidal/kvcache/swa.py); every budget here is then the smaller
+    of the two pools'.
+    """
 
     def __init__(
         self,
@@ -29,13 +35,18 @@ class KVMemory:
         device: torch.device | str = "cpu",
         debug: bool = False,
         events: Any = None,
+        swa: Optional[SWALayout] = None,
     ):
         self.page_size = page_size
         self.events = events  # a KVEventSink every radix cache made here reports to (None: no KV events)
         self.max_total_tokens = max_total_tokens
         # extra rows so a retracted/aborted request's slot never blocks a new one
         self.req_to_token_pool = ReqToTokenPool(max_reqs, max_context_len, device)
-        self.allocator = PagedTokenAllocator(max_total_tokens, page_size, device, debug=debug)
+        self.swa: Optional[SWAPagedAllocator] = None
+        if swa is not None:
+            self.swa = SWAPagedAllocator(max_total_tokens, swa.size, page_size, swa.window, swa.page_map,
+                                         device, debug=debug)
+        self.allocator = self.swa or PagedTokenAllocator(max_total_tokens, page_size, device, debug=debug)
         self.tree_cache = self.make_cache(radix=not disable_radix_cache)
 
     def make_cache(self, radix: bool):
@@ -49,8 +60,12 @@ class KVMemory:
         return self.req_to_token_pool.req_to_token
 
     def available_tokens(self) -> int:
-        """Tokens allocatable now, counting what eviction could free."""
-        return self.allocator.available_size() + self.tree_cache.evictable_size()
+        """Tokens allocatable now, counting what eviction could free (in both pools with SWA)."""
+        full = self.allocator.available_size() + self.tree_cache.evictable_size()
+        return full if self.swa is None else min(full, self.swa_available_tokens())
+
+    def swa_available_tokens(self) -> int:
+        return self.swa.swa_available_size() + self.tree_cache.swa_evictable_size()
 
     def used_tokens(self) -> int:
         return self.max_total_tokens - self.allocator.available_size() - self.tree_cache.evictable_size()
@@ -59,6 +74,39 @@ class KVMemory:
         short = num_tokens - self.allocator.available_size()
         if short > 0:
             self.tree_cache.evict(short)
+        if self.swa is not None:
+            short = num_tokens - self.swa.swa_available_size()
+            if short > 0:
+                self.tree_cache.evict(short, swa=True)
+
+    def free_out_of_window(self, reqs: list[Req], keep_match_end: bool = False) -> None:
+        """Free the SWA pages of positions no query still to come can see (older than the last
+        window), among those each request alone holds: from `swa_freed_to` (past what it matched from
+        or gave to the tree) on. kv_len must not count unverified guesses.
+
+        keep_match_end: keep what a query at the page-aligned end of a match of kv_len - 1 tokens (the
+        same prompt sent again) sees, too."""
+        if self.swa is None:
+            return
+        ps, window, rows = self.page_size, self.swa.window, []
+        for r in reqs:
+            end = (r.kv_len - window) // ps * ps
+            if keep_match_end:
+                end = min(end, ((r.kv_len - 1) // ps * ps - window + 1) // ps * ps)
+                r.swa_chunk_windows = [(a, min(b, end)) for a, b in r.swa_chunk_windows if a < min(b, end)]
+            if r.req_pool_idx is None:
+                continue
+            if end > r.swa_freed_to:
+                rows.append(self.req_to_token[r.req_pool_idx, r.swa_freed_to:end])
+                r.swa_freed_to = end
+            while r.swa_chunk_windows and r.swa_chunk_windows[0][1] <= end:
+                self.tree_cache.free_window(r, *r.swa_chunk_windows.pop(0))
+        if rows:
+            self.swa.free_swa(torch.cat(rows))
+
+    def hold_in_tree(self, req: Req, upto: int) -> None:
+        """Positions below `upto` are the tree's now (matched or given to it): never freed by the request."""
+        req.swa_freed_to = max(req.swa_freed_to, upto // self.page_size * self.page_size)
 
     def alloc_req_slot(self, req: Req) -> None:
         if req.req_pool_idx is None:
@@ -89,6 +137,7 @@ class KVMemory:
         """Give the request's KV to the cache (its prefix stays shareable) and free its slot."""
         if req.req_pool_idx is None:
             return
+        self.free_out_of_window([req])
         token_ids = req.all_ids[: req.kv_len]
         self.tree_cache.cache_finished_req(req, token_ids)
         req.req_pool_idx = None
@@ -114,7 +163,14 @@ class KVMemory:
         req.draft_kv_len = min(req.draft_kv_len, keep)  # the draft model's KV shares the slots
 
     def cache_unfinished(self, req: Req) -> None:
+        self.free_out_of_window([req], keep_match_end=not req.is_chunked)
         self.tree_cache.cache_unfinished_req(req, req.fill_ids[: req.kv_len])
+        if self.swa is not None and req.is_chunked:  # a chunk boundary, not the prompt's end
+            start = max(req.swa_freed_to, (req.kv_len - self.swa.window) // self.page_size * self.page_size)
+            aligned = req.kv_len // self.page_size * self.page_size
+            if start < aligned:  # the window the next chunk reads: the tree's now, given back after it
+                req.swa_chunk_windows.append((start, aligned))
+        self.hold_in_tree(req, req.kv_len)
 
     def check_integrity(self, live: list[Req]) -> None:
         pairs = [(r.req_pool_idx, r.kv_len) for r in live if r.req_pool_idx is not None]

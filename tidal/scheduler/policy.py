@@ -125,6 +125,13 @@ class PrefillAdder:
         self.rem_total_tokens = (
             allocator.available_size() + tree_cache.evictable_size() - int(reserved * new_token_ratio)
         )
+        # a sliding-window model's SWA pool is a second budget: a request's decode room there is at
+        # most its window (it frees its pages past the window as it goes)
+        self.rem_swa_tokens: Optional[int] = None
+        self.swa_window: Optional[int] = getattr(allocator, "window", None)
+        if self.swa_window is not None:
+            swa_reserved = sum(self._swa_reserve(r.reserved_decode_tokens(CLIP_MAX_NEW_TOKENS)) for r in running_reqs)
+            self.rem_swa_tokens = allocator.swa_available_size() + tree_cache.swa_evictable_size() - swa_reserved
         self.rem_input_tokens = max_prefill_tokens
         self.rem_chunk_tokens = chunked_prefill_size
         self.can_run_list: list[Req] = []
@@ -133,15 +140,44 @@ class PrefillAdder:
     def _ceil_page(self, n: int) -> int:
         return -(-n // self.page_size) * self.page_size
 
+    def room(self) -> int:
+        """KV tokens left in the tighter pool."""
+        return self.rem_total_tokens if self.rem_swa_tokens is None else min(self.rem_total_tokens,
+                                                                              self.rem_swa_tokens)
+
+    def _fits(self, input_tokens: int, reserve: int) -> bool:
+        if input_tokens + reserve >= self.rem_total_tokens:
+            return False
+        if self.rem_swa_tokens is None:
+            return True
+        # there a chunked prompt holds its chunk and a window at a time
+        swa_input = input_tokens if self.rem_chunk_tokens is None else min(
+            input_tokens, self.rem_chunk_tokens + self.swa_window + self.page_size)
+        return swa_input + min(reserve, self.swa_window + self.page_size) < self.rem_swa_tokens
+
+    def _evictable(self) -> tuple[int, int]:
+        swa = self.tree_cache.swa_evictable_size() if self.rem_swa_tokens is not None else 0
+        return self.tree_cache.evictable_size(), swa
+
+    def _charge(self, tokens: int, swa_tokens: int) -> None:
+        self.rem_total_tokens -= tokens
+        if self.rem_swa_tokens is not None:
+            self.rem_swa_tokens -= swa_tokens
+
     def budget_exhausted(self) -> bool:
         return (
-            self.rem_total_tokens <= 0
+            self.room() <= 0
             or self.rem_input_tokens <= 0
             or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0)
         )
 
+    def _swa_reserve(self, reserve: int) -> int:
+        return min(int(reserve * self.new_token_ratio), self.swa_window + self.page_size)
+
     def _take(self, extend: int, reserve: int) -> None:
-        self.rem_total_tokens -= self._ceil_page(extend) + int(reserve * self.new_token_ratio)
+        tokens = self._ceil_page(extend)
+        swa = tokens + self._swa_reserve(reserve) if self.swa_window is not None else 0
+        self._charge(tokens + int(reserve * self.new_token_ratio), swa)
         self.rem_input_tokens -= extend
         if self.rem_chunk_tokens is not None:
             self.rem_chunk_tokens -= extend
@@ -156,19 +192,20 @@ class PrefillAdder:
         input_tokens = self._ceil_page(req.extend_input_len)
         if self.overcommit_first and not self.can_run_list:
             reserve = 0
-        if input_tokens + reserve >= self.rem_total_tokens:
+        if not self._fits(input_tokens, reserve):
             return AddResult.NO_TOKEN
         if input_tokens >= self.rem_input_tokens and self.can_run_list:
             return AddResult.OTHER
         if self.rem_chunk_tokens is not None and self.rem_chunk_tokens < self.page_size:
             return AddResult.OTHER
         # locking the prefix makes it unevictable: it no longer counts as free room
-        before = self.tree_cache.evictable_size()
+        before = self._evictable()
         self.tree_cache.inc_lock_ref(req.last_node)
-        self.rem_total_tokens -= before - self.tree_cache.evictable_size()
-        if input_tokens + reserve >= self.rem_total_tokens:
+        after = self._evictable()
+        self._charge(before[0] - after[0], before[1] - after[1])
+        if not self._fits(input_tokens, reserve):
             self.tree_cache.dec_lock_ref(req.last_node)
-            self.rem_total_tokens += before - self.tree_cache.evictable_size()
+            self._charge(after[0] - before[0], after[1] - before[1])
             return AddResult.NO_TOKEN
         self._add_maybe_truncated(req)
         return AddResult.OTHER if self.budget_exhausted() else AddResult.CONTINUE

@@ -65,6 +65,11 @@ class Req:
         self.spec_refused = 1.0
         self.spec_idle = 1 << 20  # steps since it last guessed (its first chance explores)
         self.draft_kv_len = 0  # leading positions whose KV the draft model holds (tidal/spec/draft.py)
+        # sliding-window models: positions below this no longer free their SWA pages through this
+        # request (freed already, or the prefix tree's; tidal/kvcache/swa.py)
+        self.swa_freed_to = 0
+        # the windows it left in the tree at its chunk boundaries, (start, stop): given back once passed
+        self.swa_chunk_windows: list[tuple[int, int]] = []
 
         self.output_logprobs: list[tuple[float, int]] = []
         self.output_top_logprobs: list[list[tuple[float, int]]] = []
@@ -112,6 +117,8 @@ class Req:
         self.req_pool_idx = None
         self.kv_len = 0
         self.draft_kv_len = 0
+        self.swa_freed_to = 0
+        self.swa_chunk_windows = []
         self.extend_input_len = 0
         self.is_chunked = 0
         self.num_retractions += 1

@@ -82,6 +82,7 @@ class Scheduler:
             device=runner.device,
             debug=args.enable_integrity_check,
             events=self.kv_events.sink if self.kv_events is not None else None,
+            swa=getattr(runner, "swa_layout", None),
         )
         self.max_req_input_len = min(self.context_length - 1, runner.max_total_tokens - 1)
         self.stop = StopChecker(tokenizer, list(cfg.eos_token_ids), self.context_length)
