@@ -277,8 +277,10 @@ def test_two_hand_moves_of_one_worker_at_once_are_one_move(workers, tmp_path):
         with ThreadPoolExecutor(3) as pool:
             asked = [pool.submit(r.post, "/admin/set_worker_role", {"url": d2, "mode": mode})
                      for mode in ("prefill", "null")]
-            time.sleep(0.6)  # the winner's switch is under way
-            in_flight = dict(planner.state.in_flight)
+            in_flight, deadline = {}, time.time() + 5  # the winner's switch is under way (polled: a loaded
+            while not in_flight and time.time() < deadline:  # machine may take more than a fixed sleep)
+                in_flight = dict(planner.state.in_flight)
+                time.sleep(0.01)
             codes = sorted(f.result().status_code for f in asked)
         status = httpx.get(r.url + "/planner/status").json()
         metrics = httpx.get(r.url + "/metrics").text

@@ -194,3 +194,49 @@ def test_flags_that_need_one_pool_are_clear_errors():
     with pytest.raises(ValueError, match=r"must be in \(0, 1\]"):
         ServerArgs(model_path="m", swa_full_tokens_ratio=0.0).validate()
     ServerArgs(model_path="m", disaggregation_mode="prefill").validate()  # default: one pool there
+
+
+@pytest.mark.parametrize("ratio", [0.1, 0.25])  # 0.1: evicted by SWA pressure
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_shared_prefixes_in_waves_equal_one_pool(windowed, page_size, ratio):
+    """Requests on three shared prefixes in waves (matches trimmed to whole windows, chunk windows given
+    back, copies revived, SWA eviction under a small pool): the one pool's greedy tokens, pools whole."""
+    import random
+
+    path = windowed[0]
+    rng = random.Random(page_size)
+    heads = [[rng.randrange(1, 128) for _ in range(n)] for n in (22, 27, 30)]
+    prompts = [heads[i % 3] + [rng.randrange(1, 128) for _ in range(rng.randrange(3, 20))] for i in range(12)]
+    waves = [[0, 1, 2, 3], [4, 5, 6, 7, 0], [8, 9, 10, 11, 4]]
+    one, _, _, _ = _serve_one_pool(path, prompts, page_size, waves)
+    outs, (swa_peak, _), sched, runner = _serve(path, prompts, "torch", ratio, page_size, 12, waves)
+    assert outs == one
+    assert swa_peak <= runner.swa_size
+    assert sched.stats.total_cached_tokens > 0 or ratio < 0.25
+
+
+def _serve_one_pool(path, prompts, page_size, waves):
+    from tidal.config import ServerArgs
+    from tidal.messages import GenerateReq
+    from tidal.model.runner import ModelRunner
+    from tidal.sampling_params import SamplingParams
+    from tidal.scheduler.scheduler import Scheduler
+
+    args = ServerArgs(model_path=path, dtype="float32", device="cpu", page_size=page_size, chunked_prefill_size=12,
+                      max_total_tokens=512, torch_threads=1, swa_full_tokens_ratio=1.0, enable_torch_compile=False)
+    sched = Scheduler(args, ModelRunner(args), tokenizer=None)
+    assert sched.mem.swa is None
+    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
+    outs = []
+    for n, idx in enumerate(waves):
+        for i in idx:
+            sched.handle(GenerateReq(rid=f"r{n}-{i}", input_ids=prompts[i], sampling=sp))
+        out: dict[int, list[int]] = {}
+        for _ in range(400):
+            did = sched.step()
+            for o in sched.take_outbox():
+                out.setdefault(int(o.rid.split("-")[1]), []).extend(o.new_token_ids)
+            if not did and sched.is_idle():
+                break
+        outs.append([out[i] for i in idx])
+    return outs, None, sched, None

@@ -76,6 +76,9 @@ class ChunkCache:
         self.req_to_token_pool.free(idx)
         req.req_pool_idx = None
 
+    def shared_len(self, req: Any) -> int:
+        return 0  # nothing is shared
+
     def free_window(self, req: Any, start: int, stop: int) -> None:
         """A sliding-window model's positions [start, stop) of the request's prefix, its own here."""
         self.allocator.free_swa(self.req_to_token_pool.req_to_token[req_pool_idx_of(req), start:stop])

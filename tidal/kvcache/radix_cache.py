@@ -393,6 +393,9 @@ class RadixCache:
         if self.disable:
             req.prefix_indices = kv
             return
+        if self.swa is not None and not self._window_shareable(req, token_ids[: self._aligned(n)], n):
+            req.prefix_indices = kv  # kept its own: the tree's copy lost the window the next chunk reads
+            return
         aligned = self._insert_req(req, token_ids, kv)
         # the request's own chunk: the window it goes on from is whole, the rest it may have freed
         match = self.match_prefix(token_ids[:aligned], namespace_of(req), whole_window=False)
@@ -404,12 +407,42 @@ class RadixCache:
         req.prefix_indices = torch.cat([match.device_indices, kv[aligned:]])
         req.last_node = match.last_node
 
+    def _window_shareable(self, req: Any, key: list[int], kv_len: int) -> bool:
+        """Whether the tree's copies of the request's own positions (past its locked prefix) still hold
+        the windowed KV that a query at kv_len sees (another request's copy may have given it back)."""
+        owned_from = self.shared_len(req)
+        cached = self._peek(key, namespace_of(req))
+        first = max(owned_from, kv_len - self.swa.window + 1)
+        return first >= cached.numel() or bool(self.swa.alive(cached[first:]).all())
+
+    def _peek(self, key: list[int], namespace: Any) -> torch.Tensor:
+        """The slots of the longest cached prefix of `key`, changing nothing."""
+        node, values = self._namespace_root(namespace, create=False), []
+        while key and node is not None:
+            child = node.children.get(self._child_key(key))
+            if child is None:
+                break
+            n = self._match_len(child.key, key)
+            values.append(child.value[:n])
+            if n < len(child.key):
+                break
+            node, key = child, key[n:]
+        return torch.cat(values) if values else self._empty()
+
+    def shared_len(self, req: Any) -> int:
+        """How many leading positions of the request are the tree's (its locked path); the rest it owns."""
+        n, node = 0, req.last_node
+        while node is not None and node is not self.root_node:
+            n += len(node)
+            node = node.parent
+        return n
+
     def _insert_req(self, req: Any, token_ids: list[int], kv: torch.Tensor) -> int:
         """Insert the aligned part and free this request's duplicates of what the tree
         already had. Returns the aligned length."""
         aligned = self._aligned(len(token_ids))
-        # The tree part of prefix_indices is page-aligned; the rest is the request's own tail.
-        owned_from = self._aligned(len(req.prefix_indices))
+        # the tree's part of prefix_indices is its locked path; the rest is the request's own
+        owned_from = self.shared_len(req)
         if owned_from > aligned:
             raise RuntimeError(f"request has {owned_from} cached tokens but only {len(token_ids)} token ids")
         present = self.insert(token_ids[:aligned], kv[:aligned], namespace_of(req))

@@ -170,7 +170,7 @@ class KVMemory:
             aligned = req.kv_len // self.page_size * self.page_size
             if start < aligned:  # the window the next chunk reads: the tree's now, given back after it
                 req.swa_chunk_windows.append((start, aligned))
-        self.hold_in_tree(req, req.kv_len)
+        self.hold_in_tree(req, self.tree_cache.shared_len(req))
 
     def check_integrity(self, live: list[Req]) -> None:
         pairs = [(r.req_pool_idx, r.kv_len) for r in live if r.req_pool_idx is not None]
