@@ -92,7 +92,8 @@ def test_the_tree_matches_only_prefixes_with_a_whole_window():
 
 def _serve(path: str, prompts: list[list[int]], backend: str, ratio: float, page_size: int, chunk: int,
            rounds: list[list[int]]):
-    """Runs each round's prompts through one scheduler; (tokens per round, peak SWA and full tokens used)."""
+    """Runs each round's prompts through one scheduler; (tokens per round, peak SWA and full tokens used).
+    ratio 1: one pool (the reference)."""
     from tidal.config import ServerArgs
     from tidal.messages import GenerateReq
     from tidal.model.runner import ModelRunner
@@ -107,7 +108,7 @@ def _serve(path: str, prompts: list[list[int]], backend: str, ratio: float, page
         runner.attn_backend.use_eager()
     sched = Scheduler(args, runner, tokenizer=None)
     mem = sched.mem
-    assert mem.swa is not None and runner.kv_pool.swa_layers
+    assert (mem.swa is not None) == bool(runner.kv_pool.swa_layers) == (ratio < 1)
     sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
     outs, peak = [], [0, 0]
     for n, idx in enumerate(rounds):
@@ -117,8 +118,9 @@ def _serve(path: str, prompts: list[list[int]], backend: str, ratio: float, page
         for _ in range(400):
             did = sched.step()
             sched.check_integrity()
-            peak[0] = max(peak[0], mem.swa.swa.size - mem.swa.swa_available_size())
-            peak[1] = max(peak[1], mem.swa.size - mem.swa.available_size())
+            if mem.swa is not None:
+                peak[0] = max(peak[0], mem.swa.swa.size - mem.swa.swa_available_size())
+                peak[1] = max(peak[1], mem.swa.size - mem.swa.available_size())
             for o in sched.take_outbox():
                 out.setdefault(int(o.rid.split("-")[1]), []).extend(o.new_token_ids)
             if not did and sched.is_idle():
@@ -208,35 +210,9 @@ def test_shared_prefixes_in_waves_equal_one_pool(windowed, page_size, ratio):
     heads = [[rng.randrange(1, 128) for _ in range(n)] for n in (22, 27, 30)]
     prompts = [heads[i % 3] + [rng.randrange(1, 128) for _ in range(rng.randrange(3, 20))] for i in range(12)]
     waves = [[0, 1, 2, 3], [4, 5, 6, 7, 0], [8, 9, 10, 11, 4]]
-    one, _, _, _ = _serve_one_pool(path, prompts, page_size, waves)
+    one, _, _, _ = _serve(path, prompts, "torch", 1.0, page_size, 12, waves)
     outs, (swa_peak, _), sched, runner = _serve(path, prompts, "torch", ratio, page_size, 12, waves)
     assert outs == one
     assert swa_peak <= runner.swa_size
     assert sched.stats.total_cached_tokens > 0 or ratio < 0.25
 
-
-def _serve_one_pool(path, prompts, page_size, waves):
-    from tidal.config import ServerArgs
-    from tidal.messages import GenerateReq
-    from tidal.model.runner import ModelRunner
-    from tidal.sampling_params import SamplingParams
-    from tidal.scheduler.scheduler import Scheduler
-
-    args = ServerArgs(model_path=path, dtype="float32", device="cpu", page_size=page_size, chunked_prefill_size=12,
-                      max_total_tokens=512, torch_threads=1, swa_full_tokens_ratio=1.0, enable_torch_compile=False)
-    sched = Scheduler(args, ModelRunner(args), tokenizer=None)
-    assert sched.mem.swa is None
-    sp = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.0, ignore_eos=True)
-    outs = []
-    for n, idx in enumerate(waves):
-        for i in idx:
-            sched.handle(GenerateReq(rid=f"r{n}-{i}", input_ids=prompts[i], sampling=sp))
-        out: dict[int, list[int]] = {}
-        for _ in range(400):
-            did = sched.step()
-            for o in sched.take_outbox():
-                out.setdefault(int(o.rid.split("-")[1]), []).extend(o.new_token_ids)
-            if not did and sched.is_idle():
-                break
-        outs.append([out[i] for i in idx])
-    return outs, None, sched, None
