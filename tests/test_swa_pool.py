@@ -91,7 +91,7 @@ def test_the_tree_matches_only_prefixes_with_a_whole_window():
 
 
 def _serve(path: str, prompts: list[list[int]], backend: str, ratio: float, page_size: int, chunk: int,
-           rounds: list[list[int]]):
+           rounds: list[list[int]], compiled: bool = False):
     """Runs each round's prompts through one scheduler; (tokens per round, peak SWA and full tokens used).
     ratio 1: one pool (the reference)."""
     from tidal.config import ServerArgs
@@ -102,7 +102,7 @@ def _serve(path: str, prompts: list[list[int]], backend: str, ratio: float, page
 
     args = ServerArgs(model_path=path, dtype="float32", device="cpu", page_size=page_size, chunked_prefill_size=chunk,
                       max_total_tokens=512, torch_threads=1, attention_backend=backend, swa_full_tokens_ratio=ratio,
-                      enable_torch_compile=False)
+                      enable_torch_compile=compiled, torch_compile_max_bs=4)
     runner = ModelRunner(args)
     if backend == "flex":
         runner.attn_backend.use_eager()
@@ -157,6 +157,17 @@ def test_a_small_swa_pool_serves_transformers_tokens(windowed, backend, page_siz
     swa_size = runner.swa_size
     assert swa_size < sum(len(p) + MAX_NEW for p in prompts)  # could not hold what the requests computed
     assert swa_peak <= swa_size < full_peak
+
+
+def test_the_compiled_decode_step_over_the_swa_pool(windowed):
+    """The compiled decode step (the default on CPUs) reads and writes the windowed buffers through the
+    translated slots: the eager step's tokens."""
+    path, prompts, want = windowed
+    if "gemma3" not in path:
+        pytest.skip("one family is enough for the compiled step (compile time)")
+    outs, _, _, runner = _serve(path, prompts, "torch", 0.1, 4, 12, [[0, 1, 2, 3]], compiled=True)
+    assert runner.compiled is not None  # it compiled and did not fall back
+    assert outs == [want]
 
 
 @pytest.mark.parametrize("page_size,chunk", [(1, 16), (4, 12)])

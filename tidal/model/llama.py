@@ -225,7 +225,11 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.shard, self.tp = shard, tp
         self.embed_tokens = nn.Embedding(shard.vocab_per_rank, config.hidden_size)
-        self.embed_scale = config.embed_scale
+        # Gemma's sqrt(hidden), rounded to the activations' dtype first as transformers does; per dtype ahead
+        # of time (a tensor -> float inside the compiled step would break its graph)
+        self.embed_scales = None if config.embed_scale is None else {
+            dt: float(torch.tensor(config.embed_scale, dtype=dt, device="cpu"))
+            for dt in (torch.float32, torch.bfloat16, torch.float16)}
         self.rotary = RotaryEmbedding(config, max_positions)
         # Gemma 3's windowed layers rotate with their own base frequency
         self.local_rotary = None
@@ -249,9 +253,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, fb: ForwardBatch) -> torch.Tensor:
         h = self.embed(fb.input_ids)
-        if self.embed_scale is not None:
-            # rounded to the activations' dtype first, as transformers does
-            h = h * float(torch.tensor(self.embed_scale, dtype=h.dtype))
+        if self.embed_scales is not None:
+            h = h * self.embed_scales[h.dtype]
         rope = self.rotary.cos_sin(fb.positions, h.dtype)
         local = self.local_rotary.cos_sin(fb.positions, h.dtype) if self.local_rotary is not None else rope
         for layer, is_local in zip(self.layers, self.local_layers):
