@@ -25,6 +25,11 @@ import torch
 from tidal.kvcache.allocator import PagedTokenAllocator
 
 
+def swa_slots(page_map: torch.Tensor, slots: torch.Tensor, page_size: int) -> torch.Tensor:
+    """The SWA slot of each full slot (a dead one -> its offset in the dummy page 0)."""
+    return page_map[slots // page_size] * page_size + slots % page_size
+
+
 @dataclass(frozen=True)
 class SWALayout:
     """What the scheduler's allocator needs of a KV pool with windowed buffers."""
@@ -75,9 +80,7 @@ class SWAPagedAllocator:
         return self.page_map[slots // self.page_size] != 0
 
     def swa_slots(self, slots: torch.Tensor) -> torch.Tensor:
-        """The SWA slot of each full slot (a dead one -> its offset in the dummy page 0)."""
-        ps = self.page_size
-        return self.page_map[slots // ps] * ps + slots % ps
+        return swa_slots(self.page_map, slots, self.page_size)
 
     # ---- allocation -------------------------------------------------------------
 

@@ -41,6 +41,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from tidal.kvcache.swa import swa_slots
 from tidal.model.forward_batch import ForwardBatch, ForwardMode
 
 
@@ -146,7 +147,7 @@ class TorchNativeAttnBackend:
         ps = fb.kv_pool.page_size
 
         def to_swa(slots: torch.Tensor) -> torch.Tensor:
-            return page_map[slots // ps] * ps + slots % ps
+            return swa_slots(page_map, slots, ps)
 
         meta.out_loc = to_swa(fb.out_cache_loc)
         if meta.kv_index is not None:

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from tidal.kvcache.swa import swa_slots
 from tidal.model.forward_batch import ForwardBatch
 
 Q_BLOCK = 128  # query rows per block of the block mask
@@ -153,7 +154,7 @@ class FlexAttnBackend:
         block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, torch.zeros_like(kv_num), torch.zeros_like(kv_idx),
                                               BLOCK_SIZE=(Q_BLOCK, ps), mask_mod=mask_mod,
                                               seq_lengths=(q_len, n_pages * ps))
-        out_loc = None if page_map is None else page_map[fb.out_cache_loc // ps] * ps + fb.out_cache_loc % ps
+        out_loc = None if page_map is None else swa_slots(page_map, fb.out_cache_loc, ps)
         return FlexMetadata(block_mask, q_index, out_rows, out_loc=out_loc)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int,

@@ -104,9 +104,11 @@ class KVMemory:
         if rows:
             self.swa.free_swa(torch.cat(rows))
 
-    def hold_in_tree(self, req: Req, upto: int) -> None:
-        """Positions below `upto` are the tree's now (matched or given to it): never freed by the request."""
-        req.swa_freed_to = max(req.swa_freed_to, upto // self.page_size * self.page_size)
+    def hold_in_tree(self, req: Req) -> None:
+        """The request's positions the tree holds now (its locked path, matched or given to it) are never
+        freed through it."""
+        if self.swa is not None:
+            req.swa_freed_to = max(req.swa_freed_to, self.tree_cache.shared_len(req))
 
     def alloc_req_slot(self, req: Req) -> None:
         if req.req_pool_idx is None:
@@ -170,7 +172,7 @@ class KVMemory:
             aligned = req.kv_len // self.page_size * self.page_size
             if start < aligned:  # the window the next chunk reads: the tree's now, given back after it
                 req.swa_chunk_windows.append((start, aligned))
-        self.hold_in_tree(req, self.tree_cache.shared_len(req))
+        self.hold_in_tree(req)
 
     def check_integrity(self, live: list[Req]) -> None:
         pairs = [(r.req_pool_idx, r.kv_len) for r in live if r.req_pool_idx is not None]

@@ -56,7 +56,7 @@ def build_extend_batch(reqs: list[Req], mem: KVMemory, kv_pool) -> ScheduleBatch
     for r, p in zip(reqs, prefix_lens):
         if p:
             table[r.req_pool_idx, :p] = r.prefix_indices
-        mem.hold_in_tree(r, mem.tree_cache.shared_len(r))
+        mem.hold_in_tree(r)
     last_locs = [int(table[r.req_pool_idx, p - 1]) if p else -1 for r, p in zip(reqs, prefix_lens)]
     out_loc = mem.alloc_extend(prefix_lens, seq_lens, last_locs)
 
